@@ -1,0 +1,196 @@
+"""Read and write DFlash drafters in the z-lab checkpoint format, unchanged (dflash.md §5).
+
+``config.json`` is a Qwen3 config plus ``num_target_layers``, ``block_size`` and
+``dflash_config``; ``model.safetensors`` holds ``fc``, ``hidden_norm``, ``norm`` and 11 tensors
+per layer, no prefix, no embedding and no LM head. Keys are looked up in ``dflash_config``
+first, then at the top level, then a default, as the reference does. Loading is strict:
+an unknown architecture (DFlash2 included) or any unmapped tensor is refused, never loaded partially.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from safetensors.torch import save_file
+
+from dflash_trt.builder.hf_config import parse_rope
+from dflash_trt.builder.safe_files import read_json, read_tensors, safetensors_files
+from dflash_trt.config import DraftConfig
+from dflash_trt.errors import CheckpointFormatError, UnsupportedArchitectureError
+from dflash_trt.model.draft_head import DraftHead, build_target_layer_ids
+
+ARCHITECTURE = "DFlashDraftModel"
+DEFAULT_BLOCK_SIZE = 16
+_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+
+
+def _lookup(raw: dict[str, Any], key: str, default: Any = None) -> Any:
+    """``dflash_config[key]``, then top-level ``key``, then ``default`` (reference lookup order)."""
+    inner = raw.get("dflash_config") or {}
+    if key in inner and inner[key] is not None:
+        return inner[key]
+    if key in raw and raw[key] is not None:
+        return raw[key]
+    return default
+
+
+def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
+    """Normalise a z-lab ``config.json`` dict into a ``DraftConfig``, refusing what we cannot run."""
+    architectures = raw.get("architectures")
+    if architectures != [ARCHITECTURE]:
+        if isinstance(architectures, list) and "DFlash2DraftModel" in architectures:
+            raise UnsupportedArchitectureError(
+                f"{source}: field `architectures` is {architectures!r}; expected ['{ARCHITECTURE}']. DFlash2 drafters "
+                "add per-layer convolutions and a candidate selector that this version does not implement, so "
+                "the checkpoint is refused rather than loaded partially. Fix: use a DFlash (v1) drafter, or train "
+                "one with `dflash-trt train --target TARGET --out DIR`.")
+        if raw.get("speculators_model_type") == "dflash":
+            raise UnsupportedArchitectureError(
+                f"{source}: is a vLLM speculators checkpoint (`speculators_model_type: dflash`); expected the z-lab "
+                f"format with architectures ['{ARCHITECTURE}']. Fix: convert it (target_layer_ids = "
+                "aux_hidden_state_layer_ids - 1, body tensors unchanged).")
+        raise UnsupportedArchitectureError(
+            f"{source}: field `architectures` is {architectures!r}; expected ['{ARCHITECTURE}']. Fix: pass a z-lab "
+            "DFlash drafter folder (config.json + model.safetensors) as --draft.")
+    if not isinstance(raw.get("dflash_config"), dict):
+        raise CheckpointFormatError(f"{source}: field `dflash_config` is {raw.get('dflash_config')!r}; expected an "
+                                    "object with `mask_token_id` (and optionally `target_layer_ids`). Fix: add it.")
+    if raw.get("model_type") != "qwen3":
+        raise UnsupportedArchitectureError(f"{source}: field `model_type` is {raw.get('model_type')!r}; expected "
+                                           "'qwen3' (DFlash drafters are Qwen3 decoder stacks).")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(raw.get(key), int):
+            raise CheckpointFormatError(f"{source}: field `{key}` is {raw.get(key)!r}; expected an integer. "
+                                        "Fix: copy it from the target's config.json.")
+    num_target_layers = _lookup(raw, "num_target_layers")
+    if not isinstance(num_target_layers, int) or num_target_layers < 1:
+        raise CheckpointFormatError(f"{source}: field `num_target_layers` is {num_target_layers!r}; expected the "
+                                    "target's decoder layer count. Fix: add `\"num_target_layers\": N`.")
+    mask_token_id = _lookup(raw, "mask_token_id")
+    if not isinstance(mask_token_id, int):
+        raise CheckpointFormatError(f"{source}: field `dflash_config.mask_token_id` is {mask_token_id!r}; expected "
+                                    "the id of an unused row of the target embedding. Fix: add it to dflash_config.")
+    num_layers = raw["num_hidden_layers"]
+    layer_ids = _lookup(raw, "target_layer_ids")
+    if layer_ids is None:
+        layer_ids = build_target_layer_ids(num_target_layers, num_layers)
+    layer_types = raw.get("layer_types")
+    window = raw.get("sliding_window")
+    if layer_types is None:
+        # transformers' Qwen3Config derives the kinds from use_sliding_window / max_window_layers
+        windowed = bool(raw.get("use_sliding_window")) and window is not None
+        first_sliding = raw.get("max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if windowed and i >= first_sliding else "full_attention"
+                       for i in range(num_layers)]
+    unknown = [kind for kind in layer_types if kind not in _LAYER_TYPES]
+    if unknown:
+        raise UnsupportedArchitectureError(f"{source}: field `layer_types` contains {unknown!r}; expected only "
+                                           f"{sorted(_LAYER_TYPES)}.")
+    softcap = _lookup(raw, "final_logit_softcapping")
+    fields = dict(
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=num_layers,
+        num_heads=raw["num_attention_heads"],
+        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope=parse_rope(raw, source),
+        vocab_size=raw["vocab_size"],
+        max_position_embeddings=raw.get("max_position_embeddings", 32768),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        num_target_layers=num_target_layers,
+        target_layer_ids=tuple(layer_ids),
+        block_size=_lookup(raw, "block_size", DEFAULT_BLOCK_SIZE),
+        mask_token_id=mask_token_id,
+        layer_sliding=tuple(_LAYER_TYPES[kind] for kind in layer_types),
+        sliding_window=window if any(_LAYER_TYPES[k] for k in layer_types) else None,
+        sliding_causal=raw.get("is_causal", True) is not False,
+        input_embedding_scale=_lookup(raw, "input_embedding_scale", 1.0),
+        output_multiplier=_lookup(raw, "output_multiplier", 1.0),
+        final_logit_softcapping=softcap,
+    )
+    try:
+        return DraftConfig(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise CheckpointFormatError(f"{source}: {'.'.join(map(str, first['loc'])) or 'config'}: {first['msg']} "
+                                    f"(found {first.get('input')!r}). Fix: correct config.json.") from None
+
+
+def load_draft_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
+    """Load a z-lab DFlash drafter folder strictly into a ``DraftHead``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointFormatError(f"{folder}: not a folder; expected a DFlash drafter folder with config.json "
+                                    "and model.safetensors. Fix: pass the folder, not a file.")
+    config = parse_draft_config(read_json(folder / "config.json", "drafter config.json"), str(folder / "config.json"))
+    tensors = read_tensors(safetensors_files(folder))
+    head = DraftHead(config)
+    expected = head.state_dict()
+    unknown = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    if unknown or missing:
+        raise UnsupportedArchitectureError(
+            f"{folder}: tensors do not match a {config.num_layers}-layer DFlashDraftModel with "
+            f"{config.num_taps} taps: unknown {unknown[:6]}{'...' if len(unknown) > 6 else ''}, missing "
+            f"{missing[:6]}{'...' if len(missing) > 6 else ''}; expected exactly the z-lab tensor names "
+            "(dflash.md §5.2). Fix: use an unmodified z-lab-format drafter; DFlash2 and third-party extras are "
+            "not supported.")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointFormatError(f"{folder}: tensor `{name}` has shape {tuple(tensor.shape)}; expected "
+                                        f"{tuple(expected[name].shape)} from config.json. Fix: the config does "
+                                        "not describe these weights; re-export the drafter.")
+    head.load_state_dict({name: t.to(torch.float32) for name, t in tensors.items()}, strict=True)
+    return head.to(dtype).eval()
+
+
+def draft_config_json(config: DraftConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The z-lab ``config.json`` for ``config`` (readable by transformers' Qwen3Config and dflash 0.1.0)."""
+    rope: dict[str, Any] = {"rope_theta": config.rope.theta, "rope_type": config.rope.kind}
+    if config.rope.kind != "default":
+        rope["factor"] = config.rope.factor
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.rms_norm_eps,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope.theta,
+        "rope_scaling": None if config.rope.kind == "default" else rope,
+        "attention_bias": config.attention_bias,
+        "attention_dropout": 0.0,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in config.layer_sliding],
+        "sliding_window": config.sliding_window,
+        "use_sliding_window": any(config.layer_sliding),
+        "max_window_layers": config.num_layers,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "num_target_layers": config.num_target_layers,
+        "block_size": config.block_size,
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
+    }
+
+
+def save_draft_checkpoint(head: DraftHead, folder: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``head`` as a z-lab DFlash checkpoint folder (config.json + model.safetensors)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = draft_config_json(head.config, dtype_name)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {name: t.detach().to(dtype).contiguous() for name, t in head.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -1,0 +1,123 @@
+"""Checkpoint pair -> validated ``ModelPair`` (the builder's front door, architecture.md data flow).
+
+A target is an HF Llama/Qwen3 folder or a llama2.c ``.bin``; a drafter is a z-lab DFlash folder.
+``validate_pair`` checks everything the draft-verify loop relies on and refuses with the field,
+what was found, what was expected, and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from dflash_trt.builder.draft_checkpoint import load_draft_checkpoint
+from dflash_trt.builder.safe_files import is_torch_pickle, refuse_pickle
+from dflash_trt.builder.target_checkpoint import find_llama2c_model, load_hf_target, load_llama2c_target
+from dflash_trt.config import DraftConfig, TargetConfig
+from dflash_trt.errors import CheckpointFormatError, IncompatiblePairError
+from dflash_trt.model.draft_head import DraftHead
+from dflash_trt.model.target import TargetModel
+from dflash_trt.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """A target, its optional drafter and tokenizer, validated together."""
+
+    target: TargetModel
+    draft: DraftHead | None
+    tokenizer: Tokenizer | None
+    target_path: Path
+    draft_path: Path | None
+
+
+def embedded_target_path() -> Path:
+    """stories260K (llama2.c, MIT) shipped inside the package."""
+    return Path(str(resources.files("dflash_trt") / "assets" / "stories260K" / "stories260K.bin"))
+
+
+def embedded_draft_path() -> Path:
+    """The DFlash drafter trained for stories260K, shipped inside the package (z-lab format)."""
+    return Path(str(resources.files("dflash_trt") / "assets" / "stories260K-dflash"))
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise CheckpointFormatError(f"dtype is {name!r}; expected one of {sorted(DTYPES)}. Fix: pass --dtype float32.")
+    return DTYPES[name]
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[TargetModel, Tokenizer | None]:
+    """Load a target from an HF folder, a llama2.c ``.bin`` file, or a folder holding one."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointFormatError(f"{path}: does not exist; expected a target checkpoint (HF folder with "
+                                    "config.json, or a llama2.c .bin). Fix: check the --target path.")
+    if path.is_file():
+        if path.suffix in (".pt", ".pth") or is_torch_pickle(path):
+            raise refuse_pickle(path)
+        if path.suffix == ".bin":
+            return load_llama2c_target(path, dtype)
+        raise CheckpointFormatError(f"{path}: is a {path.suffix or 'suffix-less'} file; expected a checkpoint folder "
+                                    "with config.json or a llama2.c .bin. Fix: pass the folder that holds it.")
+    if (path / "config.json").is_file():
+        return load_hf_target(path, dtype)
+    model_file = find_llama2c_model(path)
+    if model_file is not None:
+        return load_llama2c_target(model_file, dtype)
+    raise CheckpointFormatError(f"{path}: holds no config.json and no single llama2.c .bin; expected a target "
+                                "checkpoint. Fix: pass an HF folder or the .bin file itself.")
+
+
+def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
+    """Load a z-lab DFlash drafter folder (strict; DFlash2 refused)."""
+    return load_draft_checkpoint(path, dtype)
+
+
+def validate_pair(target: TargetConfig, draft: DraftConfig, source: str = "pair") -> None:
+    """Refuse a target/drafter combination the draft-verify loop cannot run losslessly and usefully."""
+    checks = [
+        ("hidden_size", draft.hidden_size, target.hidden_size, "a drafter trained for this target"),
+        ("vocab_size", draft.vocab_size, target.vocab_size, "a drafter built for this tokenizer"),
+        ("num_target_layers", draft.num_target_layers, target.num_layers,
+         "the drafter trained for this target (it taps layers by index)"),
+    ]
+    for field, found, expected, fix in checks:
+        if found != expected:
+            raise IncompatiblePairError(f"{source}: drafter field `{field}` is {found}; expected the target's "
+                                        f"{expected}. Fix: use {fix}, or train one with `dflash-trt train --target "
+                                        "TARGET --out DIR`.")
+    if draft.mask_token_id >= target.vocab_size:
+        raise IncompatiblePairError(f"{source}: drafter field `dflash_config.mask_token_id` is {draft.mask_token_id}; "
+                                    f"expected a row of the target embedding, < {target.vocab_size}. Fix: set it to "
+                                    "an unused (padded or special) token id of the target.")
+    bad_taps = [i for i in draft.target_layer_ids if i >= target.num_layers]
+    if bad_taps:
+        raise IncompatiblePairError(f"{source}: drafter field `dflash_config.target_layer_ids` contains {bad_taps}; "
+                                    f"expected ids < the target's {target.num_layers} layers. Fix: use the drafter "
+                                    "trained for this target.")
+    if draft.rope.theta != target.rope.theta or draft.rope.kind != target.rope.kind:
+        raise IncompatiblePairError(f"{source}: drafter RoPE is theta={draft.rope.theta} ({draft.rope.kind}); "
+                                    f"expected the target's theta={target.rope.theta} ({target.rope.kind}): positions "
+                                    "are shared with the target. Fix: copy `rope_theta`/`rope_scaling` from the "
+                                    "target config into the drafter config.")
+
+
+def load_pair(target: str | Path | None = None, draft: str | Path | None = None, *, dtype: str = "float32",
+              use_draft: bool = True) -> ModelPair:
+    """Load and validate a pair; ``None`` paths mean the embedded stories260K pair."""
+    torch_dtype = resolve_dtype(dtype)
+    target_path = Path(target) if target is not None else embedded_target_path()
+    if draft is None and target is None:
+        draft = embedded_draft_path()
+    target_model, tokenizer = load_target(target_path, torch_dtype)
+    draft_model = None
+    if draft is not None and use_draft:
+        draft_model = load_draft(draft, torch_dtype)
+        validate_pair(target_model.config, draft_model.config, f"{target_path} + {draft}")
+    return ModelPair(target_model, draft_model, tokenizer, target_path, Path(draft) if draft is not None else None)

@@ -1,0 +1,41 @@
+"""One exception hierarchy for dflash_trt (style R7).
+
+Every message says what was found, what was expected, and the fix. Each class also
+inherits the matching built-in so callers that catch ``ValueError`` keep working.
+The CLI turns any ``DFlashError`` into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class DFlashError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class CheckpointFormatError(DFlashError, ValueError):
+    """A checkpoint file or folder is malformed, unsupported or unsafe to load."""
+
+
+class IncompatiblePairError(DFlashError, ValueError):
+    """A target and a drafter cannot be used together."""
+
+
+class UnsupportedArchitectureError(CheckpointFormatError):
+    """The checkpoint is a model family this version does not run (e.g. DFlash2)."""
+
+
+class RequestError(DFlashError, ValueError):
+    """A generation request is invalid (prompt too long, bad sampling parameters, ...)."""
+
+
+class TokenizerError(DFlashError, ValueError):
+    """Text cannot be encoded or decoded with the available tokenizer."""
+
+
+class BackendUnavailableError(DFlashError, ImportError):
+    """A backend was requested that cannot run on this machine or is not installed."""
+
+
+def field_error(cls: type[DFlashError], source: str, field: str, found: object, expected: str, fix: str) -> DFlashError:
+    """Build an error whose message names the field, what was found, what was expected, and the fix."""
+    return cls(f"{source}: field `{field}` is {found!r}; expected {expected}. Fix: {fix}")

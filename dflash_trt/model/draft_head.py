@@ -1,0 +1,145 @@
+"""THE DFlash draft network (dflash.md §2): defined once, used by the runtime, training and export.
+
+A stack of Qwen3 decoder layers with no embedding and no LM head of its own. The target's
+tapped hidden states are fused once per call (``ctx = hidden_norm(fc(taps))``) and injected as
+extra keys/values into every layer; the block ``[anchor, MASK x (B-1)]`` attends to the cached
+context and to itself bidirectionally (causally for sliding layers). Module and tensor names
+are the z-lab checkpoint's, so a checkpoint loads with ``load_state_dict(strict=True)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_trt.config import DraftConfig
+from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+from dflash_trt.runtime.kv_cache import StaticKVCache
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Default taps (dflash.md §2.3): ``[N//2]`` for one layer, else ``round(1 + i(N-4)/(n-1))``.
+
+    ``round`` is Python's (ties to even), as in the reference, which matters when a value ends in .5.
+    """
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+class DraftAttention(nn.Module):
+    """Qwen3 attention whose keys/values also cover the injected context rows (dflash.md §2.4)."""
+
+    def __init__(self, cfg: DraftConfig, sliding: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.sliding = sliding
+
+    def project_kv(self, rows: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """K/V of context or block rows: ``k_norm`` before RoPE. Shapes: rows ``[B, S, H]`` -> ``[B, nkv, S, d]``."""
+        batch, length, _ = rows.shape
+        k = self.k_norm(self.k_proj(rows).view(batch, length, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(rows).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k.transpose(1, 2), cos, sin), v
+
+    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                cache: StaticKVCache, layer: int, ctx_start: int) -> Tensor:
+        """Shapes: x ``[B, T, H]`` (normed block), ctx ``[B, c, H]``, cos/sin ``[B, 1, c+T, d]``.
+
+        Keys/values of ``[ctx ; x]`` (context rows first) are written at positions
+        ``ctx_start .. ctx_start+c+T-1``; queries come from the T block rows only.
+        """
+        batch, tokens, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, tokens, self.num_heads, self.head_dim))
+        q = apply_rope(q.transpose(1, 2), cos[:, :, -tokens:], sin[:, :, -tokens:])
+        k, v = self.project_kv(torch.cat([ctx, x], dim=1), cos, sin)
+        keys, values = cache.write(layer, ctx_start, k, v)
+        return self.o_proj(attend(q, keys, values, mask if self.sliding else None))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, sliding: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, sliding)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                cache: StaticKVCache, layer: int, ctx_start: int) -> Tensor:
+        # the context is not passed through input_layernorm (dflash.md §2.4 step 1)
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, mask, cache, layer, ctx_start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftHead(nn.Module):
+    """The DFlash drafter: ``fc``, ``hidden_norm``, ``layers``, ``norm`` (z-lab tensor names)."""
+
+    def __init__(self, cfg: DraftConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, sliding) for sliding in cfg.layer_sliding)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+
+    def new_cache(self, max_batch: int, max_len: int) -> StaticKVCache:
+        cfg = self.config
+        weight = self.fc.weight
+        return StaticKVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim, weight.dtype,
+                             weight.device)
+
+    def forward(self, block_embeds: Tensor, taps: Tensor, start: int, cache: StaticKVCache) -> Tensor:
+        """One draft call (dflash.md §2.9). Context rows sit at ``start-c .. start-1``, the block at ``start ..``.
+
+        Shapes: block_embeds ``[B, T, H]`` (anchor + masks, already scaled), taps ``[B, c, L*H]``
+        -> normed hidden of block slots 1..T-1, ``[B, T-1, H]``. The cache grows to ``start+T``
+        rows; the caller crops it back to ``start`` (block K/V never survive a cycle).
+        """
+        batch, tokens, _ = block_embeds.shape
+        ctx_len = taps.shape[1]
+        ctx_start = start - ctx_len
+        cache.check_write(ctx_start, ctx_len + tokens, batch)
+        ctx = self.hidden_norm(self.fc(taps))
+        positions = torch.arange(ctx_start, start + tokens, device=taps.device).expand(batch, -1)
+        cos, sin = self.rotary.lookup(positions, block_embeds.dtype)
+        mask = self.sliding_mask(start, tokens, block_embeds.device)
+        h = block_embeds
+        for index, layer in enumerate(self.layers):
+            h = layer(h, ctx, cos, sin, mask, cache, index, ctx_start)
+        cache.commit(start + tokens, batch)
+        return self.norm(h[:, 1:])
+
+    def sliding_mask(self, start: int, tokens: int, device: torch.device) -> Tensor | None:
+        """Mask of sliding layers, queries aligned to the end of the keys: ``key <= query`` (unless the
+        config is non-causal) and ``query - key < window``. Shape ``[1, 1, T, start+T]``; None if no sliding layer."""
+        cfg = self.config
+        if not any(cfg.layer_sliding):
+            return None
+        query = torch.arange(start, start + tokens, device=device).view(tokens, 1)
+        key = torch.arange(start + tokens, device=device).view(1, -1)
+        mask = (query - key) < cfg.sliding_window
+        if cfg.sliding_causal:
+            mask = mask & (key <= query)
+        return mask.view(1, 1, tokens, start + tokens)
+
+    def logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
+        """Target LM head on draft hidden states, times ``output_multiplier``, optional tanh softcap.
+
+        Shapes: hidden ``[B, K, H]``, lm_head_weight ``[V, H]`` -> ``[B, K, V]``.
+        """
+        cfg = self.config
+        logits = F.linear(hidden, lm_head_weight) * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits

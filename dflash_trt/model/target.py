@@ -1,0 +1,120 @@
+"""The target LLM: a Llama/Qwen3 decoder with a static KV cache and tapped hidden states.
+
+``forward`` returns logits and, when asked, the concatenated outputs of the tapped decoder
+layers. A tap id ``l`` is the output of decoder layer ``l`` (0-indexed), i.e. transformers'
+``hidden_states[l + 1]`` because index 0 there is the embedding output (dflash.md §2.3).
+Module names mirror transformers' (``layers.{i}.self_attn.q_proj`` ...) so the builder's key
+table stays a plain prefix strip.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dflash_trt.config import TargetConfig
+from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+from dflash_trt.runtime.kv_cache import StaticKVCache
+
+
+class TargetAttention(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        qk_norm = cfg.family == "qwen3"
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, layer: int, start: int, mask: Tensor | None
+    ) -> Tensor:
+        """Shapes: x ``[B, T, H]``; cos/sin ``[B, 1, T, d]``; mask ``[B, 1, T, start+T]``. Returns ``[B, T, H]``."""
+        batch, tokens, _ = x.shape
+        q = self.q_proj(x).view(batch, tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        keys, values = cache.write(layer, start, k, v.transpose(1, 2))
+        return self.o_proj(attend(q, keys, values, mask))
+
+
+class TargetLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = TargetAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, layer: int, start: int,
+                mask: Tensor | None) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TargetModel(nn.Module):
+    """Decoder-only LM. ``state_dict`` keys are transformers' without the ``model.`` prefix."""
+
+    def __init__(self, cfg: TargetConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(TargetLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+
+    def new_cache(self, max_batch: int, max_len: int) -> StaticKVCache:
+        cfg = self.config
+        dtype = self.embed_tokens.weight.dtype
+        device = self.embed_tokens.weight.device
+        return StaticKVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        start: int,
+        cache: StaticKVCache,
+        tap_ids: tuple[int, ...] = (),
+        last_only: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Run ``tokens`` at positions ``start .. start+T-1`` and append their K/V to ``cache``.
+
+        Shapes: tokens ``[B, T]`` -> logits ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``) and
+        taps ``[B, T, L*H]`` (the outputs of decoder layers ``tap_ids``, concatenated in order) or None.
+        """
+        batch, tokens_len = tokens.shape
+        cache.check_write(start, tokens_len, batch)
+        positions = torch.arange(start, start + tokens_len, device=tokens.device).expand(batch, tokens_len)
+        h = self.embed_tokens(tokens)
+        cos, sin = self.rotary.lookup(positions, h.dtype)
+        mask = causal_mask(start, tokens_len, tokens.device)
+        taps: dict[int, Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, index, start, mask)
+            if index in tap_ids:
+                taps[index] = h
+        cache.commit(start + tokens_len, batch)
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(self.norm(h))
+        # concatenated in the order of tap_ids (dflash.md §2.3), which need not be sorted
+        return logits, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
+
+
+def causal_mask(start: int, tokens: int, device: torch.device) -> Tensor | None:
+    """Query ``t`` (position start+t) sees keys ``0 .. start+t``. Shape ``[1, 1, T, start+T]``; None when T == 1."""
+    if tokens == 1:
+        return None
+    return torch.ones(tokens, start + tokens, dtype=torch.bool, device=device).tril(diagonal=start).view(
+        1, 1, tokens, start + tokens
+    )

@@ -1,0 +1,32 @@
+"""Logits -> probabilities transform and seeded draws (dflash.md §3.4, reference §3.3).
+
+Everything is float32: divide by T, optional top-k, softmax, optional top-p (keep entries whose
+cumulative mass *before* them is ``< top_p``), renormalise, scatter back to the vocabulary.
+Draws use the request's own ``torch.Generator`` so a seed reproduces a request whatever else runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
+    """Shapes: logits ``[..., V]`` -> probabilities ``[..., V]`` (float32, rows sum to 1)."""
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """One independent draw per row. Shapes: probs ``[R, V]`` -> ids ``[R]``."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
