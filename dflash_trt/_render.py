@@ -1,0 +1,59 @@
+"""Terminal rendering for the CLI (rich tables), kept apart so commands stay thin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dflash_trt.runtime.session import GenerationResult
+
+_console = Console()
+
+
+def generation(result: GenerationResult, prompt: str | None) -> None:
+    stats = result.stats
+    _console.print(f"[bold]{prompt or ''}[/bold]{result.text}", highlight=False, markup=prompt is not None)
+    _console.print(
+        f"[dim]{stats.num_output_tokens} tokens ({result.finish_reason}) · τ {stats.mean_acceptance_length:.2f} "
+        f"· draft acceptance {stats.draft_acceptance_rate:.1%} · TTFT {stats.ttft_s * 1e3:.1f} ms "
+        f"· TPOT {stats.tpot_s * 1e3:.2f} ms · {stats.tokens_per_s:.0f} tok/s[/dim]")
+
+
+def inspection(info: dict[str, Any]) -> None:
+    if "compatible" in info:
+        inspection(info["target"])
+        inspection(info["draft"])
+        verdict = "[green]compatible[/green]" if info["compatible"] else f"[red]incompatible[/red]: {info['reason']}"
+        _console.print(f"pair: {verdict}", highlight=False)
+        return
+    table = Table(title=f"{info['kind']}: {info['path']}", show_header=False)
+    table.add_row("format", info["format"])
+    table.add_row("parameters", f"{info['parameters']:,}")
+    if "tokenizer" in info:
+        table.add_row("tokenizer", str(info["tokenizer"]))
+    for key, value in info["config"].items():
+        table.add_row(key, str(value))
+    _console.print(table)
+
+
+def demo(session, prompts: list[str], result, max_new_tokens: int) -> None:
+    import platform
+
+    import torch
+
+    first = result.speculative[0]
+    _console.print(f"[bold]{prompts[0]}[/bold]{first.text}\n", highlight=False)
+    table = Table(title="DFlash vs plain decoding: same session, same prompts, interleaved A/B")
+    for column in ("mode", "median decode tok/s", "τ (mean acceptance length)", "greedy output"):
+        table.add_column(column)
+    table.add_row("plain (block_len 1)", f"{result.baseline_decode_tps:,.0f}", "1.00", "reference")
+    table.add_row(f"DFlash (block_len {session.default_block_len})", f"{result.speculative_decode_tps:,.0f}",
+                  f"{result.mean_acceptance_length:.2f}", "identical" if result.identical else "DIFFERENT")
+    _console.print(table)
+    _console.print(
+        f"speed-up {result.speedup:.2f}x  [dim](stories260K + embedded drafter, torch float32, "
+        f"{torch.get_num_threads()} threads on {platform.machine()} CPU, batch 1, greedy, {len(prompts)} prompts × "
+        f"{len(result.baseline) // len(prompts)} repeats, {max_new_tokens} new tokens, decode tok/s = 1/TPOT)[/dim]",
+        highlight=False)

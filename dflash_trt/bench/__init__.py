@@ -1,0 +1,1 @@
+"""Benchmarks: the same session with drafting on and off, on the same requests, interleaved."""

@@ -1,0 +1,191 @@
+"""The ``dflash-trt`` command line: one click group, one thin function per command (style R13).
+
+Each command parses flags, builds the typed config, calls one library function and renders.
+Known errors (``DFlashError``) print as one line with exit code 2; ``--debug`` or
+``DFLASH_DEBUG=1`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from dflash_trt.errors import DFlashError, RequestError
+
+_DEBUG_ENV = "DFLASH_DEBUG"
+
+
+def _parse_ids(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    if not text.strip():
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise RequestError(f"{flag} is {text!r}; expected comma-separated integers such as 1,403,407. "
+                           f"Fix: pass {flag} 1,2,3.") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
+@click.version_option(package_name="dflash-trt")
+def main(debug: bool) -> None:
+    """Lossless DFlash speculative decoding: train, build, run, serve and benchmark.
+
+    \b
+    Examples:
+      dflash-trt demo
+      dflash-trt run --prompt "Once upon a time" --max-new-tokens 64
+      dflash-trt inspect path/to/target --draft path/to/drafter
+    """
+    if debug:
+        os.environ[_DEBUG_ENV] = "1"
+
+
+_EXAMPLES_RUN = """
+\b
+Examples:
+  dflash-trt run --prompt "Once upon a time"
+  dflash-trt run --prompt "Once upon a time" --max-new-tokens 200 --json
+  dflash-trt run --prompt "Once upon a time" --no-draft --json
+  dflash-trt run --target ./Qwen3-0.6B --draft ./Qwen3-0.6B-DFlash --prompt "Hello" --block-len 8
+  dflash-trt run --prompt-ids 1,403,407 --temperature 0.8 --top-p 0.9 --seed 7
+"""
+
+
+@main.command(epilog=_EXAMPLES_RUN)
+@click.option("--target", type=click.Path(exists=True, path_type=Path), help="Target checkpoint (HF folder or "
+              "llama2.c .bin). Default: the embedded stories260K.")
+@click.option("--draft", type=click.Path(exists=True, path_type=Path), help="DFlash drafter folder (z-lab "
+              "format). Default: the embedded drafter when --target is not given.")
+@click.option("--prompt", help="Prompt text (needs a tokenizer beside the target).")
+@click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,403,407.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass kept (1 = off).")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely (0 = off).")
+@click.option("--seed", type=int, default=None, help="Seed of the request's RNG (sampling).")
+@click.option("--block-len", type=int, default=None, help="Anchor + drafts per cycle. Default: the drafter's.")
+@click.option("--proposal", type=click.Choice(["greedy", "sampled"]), default="greedy", show_default=True,
+              help="Draft proposals when sampling: argmax + one-hot rejection, or sampled + standard rejection.")
+@click.option("--stop-token-ids", help="Comma-separated ids that end generation (default: the target's EOS; "
+              "empty string = none).")
+@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding through the same loop.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@click.option("--stream", is_flag=True, help="Print text as each cycle is verified.")
+def run(target, draft, prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, block_len, proposal,
+        stop_token_ids, no_draft, dtype, as_json, stream) -> None:
+    """Generate from a target with its DFlash drafter (or without, --no-draft)."""
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.runtime.session import Session
+
+    if (prompt is None) == (prompt_ids is None):
+        raise RequestError("expected exactly one of --prompt or --prompt-ids. Fix: pass --prompt \"text\" or "
+                           "--prompt-ids 1,2,3.")
+    params = SamplingParams.create(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        block_len=1 if no_draft else block_len, proposal=proposal,
+        stop_token_ids=_parse_ids(stop_token_ids, "--stop-token-ids"))
+    session = Session.from_checkpoints(target, draft, dtype=dtype, use_draft=not no_draft)
+    request = prompt if prompt is not None else list(_parse_ids(prompt_ids, "--prompt-ids"))
+    if stream and not as_json:
+        for chunk in session.stream(request, params):
+            click.echo(chunk.text, nl=False)
+        click.echo()
+        return
+    result = session.generate(request, params)
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+        return
+    from dflash_trt import _render
+
+    _render.generation(result, prompt if prompt is not None else None)
+
+
+_EXAMPLES_INSPECT = """
+\b
+Examples:
+  dflash-trt inspect path/to/Qwen3-8B
+  dflash-trt inspect path/to/Qwen3-8B-DFlash-b16
+  dflash-trt inspect path/to/Qwen3-8B --draft path/to/Qwen3-8B-DFlash-b16 --json
+"""
+
+
+@main.command(epilog=_EXAMPLES_INSPECT)
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.option("--draft", type=click.Path(exists=True, path_type=Path), help="Also check this drafter against PATH.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect(path, draft, as_json) -> None:
+    """Describe a checkpoint (target or drafter), or check a target/drafter pair."""
+    from dflash_trt.builder.inspect import describe_checkpoint, describe_pair
+
+    info = describe_pair(path, draft) if draft is not None else describe_checkpoint(path)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    from dflash_trt import _render
+
+    _render.inspection(info)
+    if draft is not None and not info["compatible"]:
+        sys.exit(2)
+
+
+_EXAMPLES_DEMO = """
+\b
+Examples:
+  dflash-trt demo
+  dflash-trt demo --max-new-tokens 256 --repeats 5
+"""
+
+
+@main.command(epilog=_EXAMPLES_DEMO)
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True, help="Interleaved A/B repetitions.")
+def demo(max_new_tokens, repeats) -> None:
+    """Run the embedded pair: DFlash vs plain decoding on the same prompts, in one run."""
+    from dflash_trt.bench.ab import compare
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.runtime.session import Session
+    from dflash_trt import _render
+
+    session = Session.from_checkpoints()
+    prompts = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were"]
+    result = compare(session, prompts, SamplingParams(max_new_tokens=max_new_tokens), repeats=repeats)
+    _render.demo(session, prompts, result, max_new_tokens)
+
+
+def _register_optional_commands() -> None:
+    """Commands whose modules live in sub-packages (kept out of this file's imports until they exist)."""
+    from importlib.util import find_spec
+
+    if find_spec("dflash_trt.training") is None or find_spec("dflash_trt.training.command") is None:
+        return
+    from dflash_trt.training.command import eval_command, train_command
+
+    main.add_command(train_command, "train")
+    main.add_command(eval_command, "eval")
+
+
+_register_optional_commands()
+
+
+def entry() -> None:
+    """Console-script entry: known errors become one line and exit code 2."""
+    try:
+        main(standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(2)
+    except DFlashError as exc:
+        if os.environ.get(_DEBUG_ENV):
+            raise
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
