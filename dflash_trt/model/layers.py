@@ -26,6 +26,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # one fused kernel; same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -94,10 +96,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     Shapes: q ``[B, nq, T, d]``; k, v ``[B, nkv, S, d]``; mask ``[B, 1, T, S]`` bool (True = attend)
     or None (every query sees every key). Returns ``[B, T, nq*d]``.
     """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     batch, heads, tokens, dim = out.shape
     return out.transpose(1, 2).reshape(batch, tokens, heads * dim)
