@@ -1,22 +1,13 @@
-"""Tier-0 fixtures: deterministic tiny models built on the fly, float32, CPU, no downloads (style R12).
+"""Tier-0 fixtures (style R12): deterministic tiny models, float32, CPU, no downloads.
 
-``zoo`` (session-scoped) builds and caches, under one temporary folder:
-
-* **targets**: random transformers ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (vocab 256, hidden 64,
-  4/2 heads of 16, ``initializer_range`` 0.1 so argmax margins are large, every RMSNorm weight perturbed
-  so norms are really exercised), saved with ``save_pretrained`` (safetensors);
-* **drafters** in the z-lab DFlash layout: random ``DraftHead`` weights, or distilled on the target's
-  own greedy continuations through ``dflash_trt.training`` (skipped when that package is absent),
-  saved with ``save_draft_checkpoint``;
-* **sessions** over a (target, drafter) pair, reused across requests (``Session`` resets its caches).
-
-Everything is keyed by its spec, so a hypothesis test can draw from a pool of models without rebuilding.
+The models themselves are specified and built in ``tiny_models.py`` (this folder is on ``sys.path``
+while pytest runs, so tests import the specs from there); the fixtures here share one session-wide
+``Zoo`` so every checkpoint is built once per run.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,11 +15,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from tiny_models import DraftSpec, TargetSpec, Zoo  # noqa: E402
 
-torch.set_num_threads(1)  # bit-reproducible float32 and polite on the shared 2-core machines
+torch.set_num_threads(1)  # bit-reproducible float32, and polite on the shared 2-core machines
 
-# A fixed, derandomized profile: the same examples on every run, no example database, no deadline
-# (the first example of a test pays for building its models).
+# One fixed, derandomized profile: the same examples on every run, no example database, no deadline
+# (the first example of a test pays for building its models). Tests set their own max_examples.
 settings.register_profile(
     "dflash",
     max_examples=20,
@@ -39,163 +31,6 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("DFLASH_HYPOTHESIS_PROFILE", "dflash"))
-
-VOCAB = 256
-MASK_TOKEN_ID = 255  # an id the prompts never use: the "unused embedding row" of a real target
-PROMPT_VOCAB = 250  # prompts draw ids from [0, PROMPT_VOCAB)
-
-
-@dataclass(frozen=True)
-class TargetSpec:
-    """A tiny random HF target. ``rope_type`` ``llama3``/``linear`` exercise RoPE frequency scaling."""
-
-    family: str = "qwen3"  # "qwen3" | "llama"
-    seed: int = 0
-    num_layers: int = 6
-    tied: bool = False
-    attention_bias: bool = False
-    rope_type: str = "default"
-    rope_theta: float = 10000.0
-
-
-@dataclass(frozen=True)
-class DraftSpec:
-    """A tiny DFlash drafter for a target. ``layer_ids=None`` = ``build_target_layer_ids``.
-
-    ``sliding``: per layer, True for ``sliding_attention`` (with ``sliding_window``).
-    ``distill_steps > 0`` distils it on the target's greedy continuations (``dflash_trt.training``).
-    """
-
-    seed: int = 0
-    num_layers: int = 2
-    block_size: int = 4
-    layer_ids: tuple[int, ...] | None = None
-    sliding: tuple[bool, ...] | None = None
-    sliding_window: int = 6
-    distill_steps: int = 0
-
-
-def hf_config(spec: TargetSpec):
-    """The transformers config of a ``TargetSpec``."""
-    from transformers import LlamaConfig, Qwen3Config
-
-    rope = {"rope_type": spec.rope_type, "rope_theta": spec.rope_theta}
-    if spec.rope_type == "llama3":
-        rope |= {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    elif spec.rope_type == "linear":
-        rope |= {"factor": 2.0}
-    common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=spec.num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1,
-        tie_word_embeddings=spec.tied, max_position_embeddings=512, rope_parameters=rope,
-        attention_bias=spec.attention_bias, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    if spec.family == "llama":
-        return LlamaConfig(**common)
-    return Qwen3Config(**common)
-
-
-def perturb_norms(module: torch.nn.Module, seed: int) -> None:
-    """Set every RMSNorm weight (1-D ``*norm*`` parameter) to ``1 + 0.1·N(0, 1)`` so norms are not identities."""
-    generator = torch.Generator().manual_seed(10_000 + seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if "norm" in name and param.dim() == 1:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
-
-
-def build_hf_target(spec: TargetSpec):
-    """A random float32 transformers model for ``spec`` (deterministic in ``spec.seed``)."""
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
-
-    torch.manual_seed(spec.seed)
-    cls = LlamaForCausalLM if spec.family == "llama" else Qwen3ForCausalLM
-    model = cls(hf_config(spec)).to(torch.float32).eval()
-    perturb_norms(model, spec.seed)
-    return model
-
-
-def draft_config_for_spec(target_cfg, spec: DraftSpec):
-    """A ``DraftConfig`` whose shapes and RoPE are copied from the target (dflash.md §2.2)."""
-    from dflash_trt.config import DraftConfig
-    from dflash_trt.model.draft_head import build_target_layer_ids
-
-    layer_ids = spec.layer_ids or build_target_layer_ids(target_cfg.num_layers, spec.num_layers)
-    sliding = spec.sliding or (False,) * spec.num_layers
-    return DraftConfig(
-        hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
-        num_layers=spec.num_layers, num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
-        head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps, rope=target_cfg.rope,
-        vocab_size=target_cfg.vocab_size, max_position_embeddings=target_cfg.max_position_embeddings,
-        num_target_layers=target_cfg.num_layers, target_layer_ids=tuple(layer_ids), block_size=spec.block_size,
-        mask_token_id=MASK_TOKEN_ID, layer_sliding=tuple(sliding),
-        sliding_window=spec.sliding_window if any(sliding) else None,
-    )
-
-
-def distill_prompts(seed: int, count: int = 48, length: int = 8) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(20_000 + seed)
-    return torch.randint(0, PROMPT_VOCAB, (count, length), generator=generator).tolist()
-
-
-@dataclass
-class Zoo:
-    """Builds checkpoints on first use and caches them for the whole session."""
-
-    root: Path
-    _targets: dict = field(default_factory=dict)
-    _drafters: dict = field(default_factory=dict)
-    _sessions: dict = field(default_factory=dict)
-    _hf: dict = field(default_factory=dict)
-
-    def hf_target(self, spec: TargetSpec):
-        """The in-memory transformers model saved by :meth:`target` (float32, eval)."""
-        if spec not in self._hf:
-            self._hf[spec] = build_hf_target(spec)
-        return self._hf[spec]
-
-    def target(self, spec: TargetSpec = TargetSpec()) -> Path:
-        """A ``save_pretrained`` folder (single ``model.safetensors``)."""
-        if spec not in self._targets:
-            folder = self.root / f"target-{len(self._targets)}-{spec.family}"
-            self.hf_target(spec).save_pretrained(folder)
-            self._targets[spec] = folder
-        return self._targets[spec]
-
-    def drafter(self, target: TargetSpec = TargetSpec(), spec: DraftSpec = DraftSpec()) -> Path:
-        """A z-lab DFlash drafter folder for ``target`` (random, or distilled when ``spec.distill_steps``)."""
-        key = (target, spec)
-        if key not in self._drafters:
-            from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
-            from dflash_trt.builder.load import load_target
-            from dflash_trt.model.draft_head import DraftHead
-
-            target_model, _ = load_target(self.target(target))
-            config = draft_config_for_spec(target_model.config, spec)
-            if spec.distill_steps:
-                training = pytest.importorskip("dflash_trt.training", reason="dflash_trt.training not available yet")
-                sequences = training.self_distill_sequences(target_model, distill_prompts(spec.seed),
-                                                            max_new_tokens=48, temperature=0.0, seed=spec.seed)
-                head = training.distill_drafter(target_model, config, sequences, steps=spec.distill_steps,
-                                                seed=spec.seed)
-            else:
-                torch.manual_seed(30_000 + spec.seed)
-                head = DraftHead(config)
-                perturb_norms(head, spec.seed)
-            folder = self.root / f"draft-{len(self._drafters)}"
-            save_draft_checkpoint(head, folder)
-            self._drafters[key] = folder
-        return self._drafters[key]
-
-    def session(self, target: TargetSpec = TargetSpec(), draft: DraftSpec | None = None):
-        """A ``Session`` over the pair (``draft=None``: target only, plain decoding)."""
-        from dflash_trt.runtime.session import Session
-
-        key = (target, draft)
-        if key not in self._sessions:
-            draft_path = self.drafter(target, draft) if draft is not None else None
-            self._sessions[key] = Session.from_checkpoints(self.target(target), draft_path)
-        return self._sessions[key]
 
 
 @pytest.fixture(scope="session")
