@@ -164,6 +164,10 @@ def _register_optional_commands() -> None:
     """Commands whose modules live in sub-packages (kept out of this file's imports until they exist)."""
     from importlib.util import find_spec
 
+    from dflash_trt.bench.command import bench_command
+
+    main.add_command(bench_command, "bench")
+
     if find_spec("dflash_trt.training") is None or find_spec("dflash_trt.training.command") is None:
         return
     from dflash_trt.training.command import eval_command, train_command

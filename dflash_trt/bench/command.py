@@ -1,0 +1,87 @@
+"""``dflash-trt bench``: the A/B report (plain decoding vs DFlash, same runtime, same requests)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from dflash_trt.errors import RequestError
+
+_EXAMPLES = """
+\b
+Examples:
+  dflash-trt bench --out reports/default
+  dflash-trt bench --datasets tinystories,gsm8k --num-prompts 16 --concurrency 1,4,16 --out reports/conc
+  dflash-trt bench --block-len 16,8 --temperature 0,1 --max-new-tokens 256 --out reports/sweep
+  dflash-trt bench --target ./Qwen3-4B --draft ./Qwen3-4B-DFlash-b16 --prompts my_requests.jsonl --out reports/mine
+"""
+
+
+def _numbers(text: str, kind, flag: str) -> tuple:
+    try:
+        return tuple(kind(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise RequestError(f"{flag} is {text!r}; expected comma-separated {kind.__name__}s. Fix: e.g. {flag} 1,4,16.")\
+            from None
+
+
+@click.command("bench", epilog=_EXAMPLES)
+@click.option("--target", type=click.Path(exists=True, path_type=Path), help="Target checkpoint (default: embedded).")
+@click.option("--draft", type=click.Path(exists=True, path_type=Path), help="DFlash drafter folder.")
+@click.option("--engine", type=click.Path(exists=True, path_type=Path), help="Engine folder from `dflash-trt build`.")
+@click.option("--datasets", default="tinystories,humaneval,gsm8k,mt_bench", show_default=True,
+              help="Comma-separated shipped prompt sets (tinystories, humaneval, mbpp, gsm8k, math500, aime24, "
+                   "mt_bench, spec_bench); empty with --prompts to run only your file.")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Your own requests (.jsonl/.txt).")
+@click.option("--num-prompts", type=int, default=8, show_default=True)
+@click.option("--concurrency", default="1,4", show_default=True, help="Comma-separated concurrency levels.")
+@click.option("--block-len", default=None, help="Comma-separated DFlash block lengths (default: the drafter's).")
+@click.option("--temperature", default="0", show_default=True, help="Comma-separated temperatures.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")
+@click.option("--no-peers", is_flag=True, help="Skip transformers generate() and the dflash reference.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for report.json/.md and plots.")
+def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, concurrency, block_len, temperature,
+                  max_new_tokens, gpu_hour_cost, no_peers, seed, out) -> None:
+    """Benchmark DFlash against plain decoding in the same runtime, on the same requests."""
+    from rich.progress import Progress
+
+    from dflash_trt.bench.harness import BenchConfig, load_prompt_sets, run_benchmark
+    from dflash_trt.bench.peers import available_peers
+    from dflash_trt.bench.report import build_report, conditions, write_report
+    from dflash_trt.runtime.session import Session
+
+    config = BenchConfig(
+        datasets=tuple(d for d in datasets.split(",") if d), prompts_file=prompts_file, num_prompts=num_prompts,
+        concurrency=_numbers(concurrency, int, "--concurrency"),
+        block_lens=_numbers(block_len, int, "--block-len") if block_len else None,
+        temperatures=_numbers(temperature, float, "--temperature"), max_new_tokens=max_new_tokens, seed=seed,
+        gpu_hour_cost=gpu_hour_cost, peers=not no_peers)
+    if engine is not None:
+        session = Session.load(engine)
+    else:
+        session = Session.from_checkpoints(target, draft)
+    prompt_sets = load_prompt_sets(config)
+    peers, notes = ({}, ["peers disabled (--no-peers)"]) if no_peers else available_peers(
+        session.pair.target, session.pair.draft_path, session.pair.target.config.eos_token_ids)
+    with Progress(transient=True) as bar:
+        task = bar.add_task("benchmark", total=None)
+
+        def progress(label: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        cells = run_benchmark(session, config, peers, progress)
+    command = "dflash-trt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    report = build_report(cells, config, conditions(session, config, prompt_sets, notes, command))
+    for path in write_report(report, out):
+        click.echo(f"wrote {path}")
+    for cell in report["cells"]:
+        same = cell.get("identical_to_ar", {}).get("dflash")
+        click.echo(f"{cell['dataset']:>12} T={cell['temperature']:g} B={cell['block_len']} c={cell['concurrency']}: "
+                   f"τ {cell['modes']['dflash'].get('acceptance', {}).get('mean_acceptance_length', 0):.2f}, "
+                   f"speed-up {cell['speedup_throughput']:.2f}x"
+                   + ("" if same is None else f", greedy identical to AR: {'yes' if same else 'NO'}"))

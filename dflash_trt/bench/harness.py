@@ -1,0 +1,144 @@
+"""The honest A/B benchmark: plain decoding vs DFlash in the same session, on the same requests.
+
+For every (dataset, temperature, block length, concurrency) cell the requests run in waves of
+``concurrency``; each wave runs once per mode, and the mode order alternates (A B, B A, ...) so
+machine drift and cache warmth cancel. Peers (transformers ``generate``, the official ``dflash``
+reference) run the same prompts interleaved at concurrency 1. Warm-up requests are excluded.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
+
+from dflash_trt.bench.datasets import Prompt, PromptSet, load_dataset, load_prompt_file
+from dflash_trt.bench.metrics import summarize
+from dflash_trt.bench.runners import Runner, SessionRunner, Timing
+from dflash_trt.config import SamplingParams
+from dflash_trt.runtime.session import Session
+
+AR, DFLASH = "ar", "dflash"
+
+
+class BenchConfig(BaseModel):
+    """What to benchmark. Every figure in the report carries these conditions."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    datasets: tuple[str, ...] = Field(default=("tinystories", "humaneval", "gsm8k", "mt_bench"),
+                                      description="Shipped prompt sets to run (see `dflash-trt bench --help`).")
+    prompts_file: Path | None = Field(default=None, description="The user's own request set (JSONL or .txt).")
+    num_prompts: PositiveInt = Field(default=8, description="Prompts taken from the head of each set.")
+    concurrency: tuple[PositiveInt, ...] = Field(default=(1, 4), description="Concurrent requests per wave.")
+    block_lens: tuple[PositiveInt, ...] | None = Field(default=None, description="DFlash block lengths; None = the "
+                                                                                 "drafter's trained block size.")
+    temperatures: tuple[float, ...] = Field(default=(0.0,), description="Sampling temperatures (0 = greedy).")
+    max_new_tokens: PositiveInt = Field(default=128, description="Tokens generated per request.")
+    warmup: NonNegativeInt = Field(default=2, description="Untimed requests per mode before measuring.")
+    seed: int = Field(default=0, description="Base seed; request i uses seed + i.")
+    gpu_hour_cost: PositiveFloat | None = Field(default=None, description="USD per machine-hour for cost/1k tokens.")
+    peers: bool = Field(default=True, description="Also time transformers generate() and the dflash reference.")
+    mode: Literal["ab"] = Field(default="ab", description="A/B against plain decoding in the same runtime.")
+
+
+@dataclass
+class CellResult:
+    """One (dataset, temperature, block length, concurrency) cell: timings per mode."""
+
+    dataset: str
+    temperature: float
+    block_len: int
+    concurrency: int
+    timings: dict[str, list[Timing]] = field(default_factory=dict)
+    walls: dict[str, float] = field(default_factory=dict)
+    prompts: list[Prompt] = field(default_factory=list)
+
+    def key(self) -> str:
+        return f"{self.dataset}|T={self.temperature:g}|B={self.block_len}|c={self.concurrency}"
+
+
+def load_prompt_sets(config: BenchConfig) -> list[PromptSet]:
+    sets = [load_dataset(name) for name in config.datasets]
+    if config.prompts_file is not None:
+        sets.append(load_prompt_file(config.prompts_file))
+    return sets
+
+
+def _run_wave(runner: Runner, wave: list[tuple[list[int], SamplingParams]]) -> tuple[list[Timing], float]:
+    """Submit every request of the wave at once; return their timings and the wave's wall time."""
+    began = time.perf_counter()
+    if len(wave) == 1:
+        ids, params = wave[0]
+        return [runner(ids, params, began)], time.perf_counter() - began
+    with ThreadPoolExecutor(max_workers=len(wave)) as pool:
+        futures = [pool.submit(runner, ids, params, began) for ids, params in wave]
+        timings = [f.result() for f in futures]
+    return timings, time.perf_counter() - began
+
+
+def run_cell(runners: dict[str, Runner], requests: list[tuple[list[int], SamplingParams]], concurrency: int,
+             cell: CellResult) -> None:
+    """Run ``requests`` in waves through every runner, alternating the order of modes each wave."""
+    names = list(runners)
+    for name in names:
+        cell.timings[name], cell.walls[name] = [], 0.0
+    for number, start in enumerate(range(0, len(requests), concurrency)):
+        wave = requests[start:start + concurrency]
+        order = names if number % 2 == 0 else names[::-1]
+        for name in order:
+            timings, wall = _run_wave(runners[name], wave)
+            cell.timings[name] += timings
+            cell.walls[name] += wall
+
+
+def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callable[[int], Runner]] | None = None,
+                  progress: Callable[[str, int, int], None] | None = None) -> list[CellResult]:
+    """Every cell of the config; ``progress(label, done, total)`` is called after each cell."""
+    prompt_sets = load_prompt_sets(config)
+    block_lens = config.block_lens or (session.default_block_len,)
+    cells = [(ps, t, b, c) for ps in prompt_sets for t in config.temperatures for b in block_lens
+             for c in config.concurrency]
+    results: list[CellResult] = []
+    warm = SamplingParams(max_new_tokens=min(16, config.max_new_tokens))
+    for prompt in prompt_sets[0].prompts[:config.warmup]:
+        for block_len in (1, *block_lens):
+            session.generate(prompt.text, warm.model_copy(update={"block_len": block_len}))
+    for done, (prompt_set, temperature, block_len, concurrency) in enumerate(cells):
+        prompts = list(prompt_set.prompts[:config.num_prompts])
+        requests = [(session.encode(p.text), SamplingParams(max_new_tokens=config.max_new_tokens,
+                                                            temperature=temperature, seed=config.seed + i))
+                    for i, p in enumerate(prompts)]
+        requests = [(ids, params) for ids, params in requests
+                    if len(ids) + config.max_new_tokens <= session.max_seq_len]
+        runners: dict[str, Runner] = {AR: SessionRunner(session, AR, 1), DFLASH: SessionRunner(session, DFLASH,
+                                                                                                   block_len)}
+        if peers and concurrency == 1 and temperature == 0 and block_len == block_lens[0]:
+            runners |= {name: make(block_len) for name, make in peers.items()}
+        cell = CellResult(prompt_set.name, temperature, block_len, concurrency, prompts=prompts)
+        run_cell(runners, requests, concurrency, cell)
+        results.append(cell)
+        if progress is not None:
+            progress(cell.key(), done + 1, len(cells))
+    return results
+
+
+def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
+    """Metrics per mode, the speed-ups over plain decoding, and the greedy identity check."""
+    modes = {name: summarize(timings, cell.walls[name], config.gpu_hour_cost) for name, timings in
+             cell.timings.items()}
+    ar, dflash = modes[AR], modes[DFLASH]
+    summary: dict[str, Any] = {
+        "dataset": cell.dataset, "temperature": cell.temperature, "block_len": cell.block_len,
+        "concurrency": cell.concurrency, "modes": modes,
+        "speedup_throughput": dflash["output_tokens_per_s"] / ar["output_tokens_per_s"],
+        "speedup_tpot": (ar["tpot_s"]["p50"] / dflash["tpot_s"]["p50"]) if dflash["tpot_s"]["p50"] else 0.0,
+    }
+    if cell.temperature == 0:
+        reference = [t.token_ids for t in cell.timings[AR]]
+        summary["identical_to_ar"] = {name: [t.token_ids for t in timings] == reference
+                                      for name, timings in cell.timings.items() if name != AR}
+    return summary

@@ -1,0 +1,219 @@
+"""Benchmark sinks: ``report.json`` (everything), ``report.md`` (tables) and PNG plots.
+
+Every table carries its conditions (model, hardware, backend, concurrency, dataset, block length,
+temperature); ``conditions()`` records the machine and package versions so a reader can rerun it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import resource
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.bench.datasets import PromptSet
+from dflash_trt.bench.harness import AR, DFLASH, BenchConfig, CellResult, cell_summary
+
+_PACKAGES = ("dflash-trt", "torch", "numpy", "transformers", "dflash", "onnxruntime", "tensorrt", "tensorrt_llm")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def conditions(session, config: BenchConfig, prompt_sets: list[PromptSet], notes: list[str],
+               command: str) -> dict[str, Any]:
+    import torch
+
+    pair = session.pair
+    return {
+        "command": command,
+        "target": str(pair.target_path), "draft": str(pair.draft_path) if pair.draft_path else None,
+        "target_family": pair.target.config.family,
+        "backend": getattr(session.backend, "name", type(session.backend).__name__),
+        "dtype": str(pair.target.embed_tokens.weight.dtype).removeprefix("torch."),
+        "engine_manifest_sha256": getattr(session, "manifest_sha256", None),
+        "hardware": {"machine": platform.machine(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
+                     "torch_threads": torch.get_num_threads(),
+                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "python": platform.python_version(),
+        "packages": {name: _version(name) for name in _PACKAGES if _version(name)},
+        "config": config.model_dump(mode="json"),
+        "datasets": {ps.name: {"source": ps.source, "sha256": ps.sha256, "prompts_available": len(ps.prompts)}
+                     for ps in prompt_sets},
+        "notes": notes,
+    }
+
+
+def build_report(cells: list[CellResult], config: BenchConfig, conds: dict[str, Any]) -> dict[str, Any]:
+    summaries = [cell_summary(cell, config) for cell in cells]
+    by_group: dict[str, list[dict]] = {}
+    for cell, summary in zip(cells, summaries):
+        for prompt, ar, fl in zip(cell.prompts, cell.timings[AR], cell.timings[DFLASH]):
+            by_group.setdefault(f"{prompt.group}|c={cell.concurrency}|T={cell.temperature:g}|B={cell.block_len}",
+                                []).append({"ar": ar, "dflash": fl})
+    groups = {}
+    for key, pairs in sorted(by_group.items()):
+        ar_tokens = sum(len(p["ar"].token_ids) for p in pairs)
+        fl_tokens = sum(len(p["dflash"].token_ids) for p in pairs)
+        lengths = [n for p in pairs if p["dflash"].stats for n in p["dflash"].stats.acceptance_lengths]
+        groups[key] = {
+            "requests": len(pairs),
+            "speedup_e2e": sum(p["ar"].e2e_s for p in pairs) / max(sum(p["dflash"].e2e_s for p in pairs), 1e-12)
+            * (fl_tokens / max(ar_tokens, 1)),
+            "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
+        }
+    return {"format": "dflash_trt.bench", "format_version": 1, "conditions": conds, "cells": summaries,
+            "categories": groups, "peak_rss_mb": peak_rss_mb()}
+
+
+def _fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    conds = report["conditions"]
+    hw = conds["hardware"]
+    lines = [
+        "# dflash_trt benchmark report", "",
+        f"- command: `{conds['command']}`",
+        f"- target: `{conds['target']}` ({conds['target_family']}), drafter: `{conds['draft']}`",
+        f"- backend: {conds['backend']}, dtype {conds['dtype']}; machine: {hw['cpu']} ({hw['machine']}, "
+        f"{hw['cpu_count']} cores, torch threads {hw['torch_threads']}), GPU: {hw['gpu'] or 'none'}",
+        f"- packages: " + ", ".join(f"{k} {v}" for k, v in conds["packages"].items()),
+        f"- max_new_tokens {conds['config']['max_new_tokens']}, {conds['config']['num_prompts']} prompts per "
+        f"dataset, seed {conds['config']['seed']}, warm-up {conds['config']['warmup']} requests excluded; modes "
+        "interleaved wave by wave (A B, B A, ...)",
+        f"- peak RSS {report['peak_rss_mb']:.0f} MB",
+        "",
+        "Speed-up = DFlash output tokens/s ÷ plain decoding output tokens/s, same session, same requests "
+        "(throughput over the waves, prefill included). TPOT speed-up = median TPOT ratio (the z-lab definition).",
+        "",
+        "| dataset | T | B | conc. | mode | tok/s total | tok/s/user | TTFT p50 ms | TPOT p50 ms | ITL p50 ms | "
+        "e2e p50/p95/p99 ms | τ | speed-up | TPOT speed-up | greedy = AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in report["cells"]:
+        ar = cell["modes"][AR]
+        for name, mode in cell["modes"].items():
+            acceptance = mode.get("acceptance")
+            tau = f"{acceptance['mean_acceptance_length']:.2f}" if acceptance and name != AR else "1.00" \
+                if name == AR else "–"
+            speedup = mode["output_tokens_per_s"] / ar["output_tokens_per_s"] if ar["output_tokens_per_s"] else 0
+            tpot_speedup = ar["tpot_s"]["p50"] / mode["tpot_s"]["p50"] if mode["tpot_s"]["p50"] else 0
+            same = cell.get("identical_to_ar", {}).get(name)
+            e2e = mode["e2e_s"]
+            lines.append(
+                f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} | "
+                f"{name} | {mode['output_tokens_per_s']:,.0f} | {mode['tokens_per_s_per_user']:,.0f} | "
+                f"{_fmt_ms(mode['ttft_s']['p50'])} | {_fmt_ms(mode['tpot_s']['p50'])} | {_fmt_ms(mode['itl_s']['p50'])}"
+                f" | {_fmt_ms(e2e['p50'])}/{_fmt_ms(e2e['p95'])}/{_fmt_ms(e2e['p99'])} | {tau} | {speedup:.2f}x | "
+                f"{tpot_speedup:.2f}x | {'–' if same is None else ('yes' if same else 'NO')} |")
+    lines += ["", "## Acceptance (DFlash)", "", "| dataset | T | B | conc. | τ | draft acceptance | per-position "
+              "acceptance (first 8) | histogram |", "|---|---|---|---|---|---|---|---|"]
+    for cell in report["cells"]:
+        acc = cell["modes"][DFLASH].get("acceptance")
+        if not acc:
+            continue
+        per_pos = ", ".join(f"{v:.2f}" for v in acc["per_position_acceptance"][:8])
+        lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} "
+                     f"| {acc['mean_acceptance_length']:.2f} | {acc['draft_acceptance_rate']:.1%} | {per_pos} | "
+                     f"{acc['acceptance_histogram']} |")
+    lines += ["", "## By category", "", "| group · concurrency · T · B | requests | speed-up | τ |", "|---|---|---|---|"]
+    for key, group in report["categories"].items():
+        lines.append(f"| {key.replace('|', ' · ')} | {group['requests']} | {group['speedup_e2e']:.2f}x | "
+                     f"{group['mean_acceptance_length']:.2f} |")
+    if conds["notes"]:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in conds["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
+    """Latency-throughput per concurrency (AR vs DFlash), τ per dataset, per-position acceptance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    cells = report["cells"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, marker in ((AR, "o"), (DFLASH, "s")):
+        points = {}
+        for cell in cells:
+            if cell["temperature"] == cells[0]["temperature"] and cell["block_len"] == cells[0]["block_len"]:
+                points.setdefault(cell["concurrency"], []).append(cell["modes"][mode])
+        xs = [sum(m["output_tokens_per_s"] for m in ms) / len(ms) for c, ms in sorted(points.items())]
+        ys = [sum(m["e2e_s"]["p50"] for m in ms) / len(ms) * 1e3 for c, ms in sorted(points.items())]
+        ax.plot(xs, ys, marker=marker, label="plain decoding" if mode == AR else "DFlash")
+        for x, y, c in zip(xs, ys, sorted(points)):
+            ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("output tokens/s (total)")
+    ax.set_ylabel("p50 end-to-end latency (ms)")
+    ax.set_title("Latency vs throughput per concurrency (mean over datasets)")
+    ax.legend()
+    fig.tight_layout()
+    written.append(out / "latency_throughput.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    first = [c for c in cells if c["concurrency"] == cells[0]["concurrency"] and c["block_len"] == cells[0]["block_len"]
+             and c["temperature"] == cells[0]["temperature"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [c["dataset"] for c in first]
+    taus = [c["modes"][DFLASH].get("acceptance", {}).get("mean_acceptance_length", 0) for c in first]
+    ax.bar(names, taus)
+    ax.set_ylabel("τ (mean acceptance length)")
+    ax.set_title(f"τ per dataset (B={cells[0]['block_len']}, T={cells[0]['temperature']:g})")
+    fig.tight_layout()
+    written.append(out / "tau_per_dataset.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cell in first:
+        rates = cell["modes"][DFLASH].get("acceptance", {}).get("per_position_acceptance", [])
+        ax.plot(range(1, len(rates) + 1), rates, marker=".", label=cell["dataset"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted ≥ position)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Per-position acceptance")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "per_position_acceptance.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    return written
+
+
+def write_report(report: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(render_markdown(report))
+    return [out / "report.json", out / "report.md", *write_plots(report, out)]
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

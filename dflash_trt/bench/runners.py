@@ -1,0 +1,68 @@
+"""Things the benchmark can time on one request: our runtime (drafting on or off) and the peers.
+
+Every runner returns the same ``Timing``: when each chunk of tokens arrived, measured here in the
+harness (never inside the decode loop), so all modes are timed the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from dflash_trt.config import SamplingParams
+from dflash_trt.runtime.session import Session
+from dflash_trt.runtime.stats import SpecStats
+
+
+@dataclass
+class Timing:
+    """One request: new token ids, arrival time of each chunk (seconds after submission), stats if any."""
+
+    token_ids: list[int]
+    chunk_times_s: list[float]
+    chunk_sizes: list[int]
+    stats: SpecStats | None = None
+    submitted_at: float = field(default=0.0)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_times_s[0]
+
+    @property
+    def e2e_s(self) -> float:
+        return self.chunk_times_s[-1]
+
+    @property
+    def tpot_s(self) -> float:
+        """``(e2e - TTFT) / (output_tokens - 1)`` (dflash.md §6)."""
+        n = len(self.token_ids)
+        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between streamed chunks (a speculative chunk carries several tokens, so ITL != TPOT)."""
+        return [b - a for a, b in zip(self.chunk_times_s, self.chunk_times_s[1:])]
+
+
+class Runner(Protocol):
+    name: str
+
+    def __call__(self, prompt_ids: Sequence[int], params: SamplingParams, submitted_at: float) -> Timing: ...
+
+
+class SessionRunner:
+    """Our runtime; ``block_len=1`` is plain decoding through the same loop (the A/B baseline)."""
+
+    def __init__(self, session: Session, name: str, block_len: int) -> None:
+        self.session, self.name, self.block_len = session, name, block_len
+
+    def __call__(self, prompt_ids: Sequence[int], params: SamplingParams, submitted_at: float) -> Timing:
+        params = params.model_copy(update={"block_len": self.block_len})
+        stats = SpecStats()
+        timing = Timing([], [], [], stats, submitted_at)
+        for chunk in self.session.stream(list(prompt_ids), params, stats):
+            timing.chunk_times_s.append(time.perf_counter() - submitted_at)
+            timing.chunk_sizes.append(len(chunk.token_ids))
+            timing.token_ids += chunk.token_ids
+        return timing
