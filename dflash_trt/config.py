@@ -119,7 +119,9 @@ class SamplingParams(BaseModel):
 
     model_config = _FROZEN
     max_new_tokens: PositiveInt = Field(default=128, description="Tokens to generate, the prefill token included.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy; > 0 samples from logits / T.")
+    temperature: float = Field(
+        default=0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy; > 0 samples from logits / T (finite)."
+    )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass kept (1 = off).")
     top_k: NonNegativeInt = Field(default=0, description="Keep the k most likely tokens (0 = off).")
     seed: int | None = Field(default=None, description="Seed of this request's private RNG (None = 0).")
