@@ -39,3 +39,15 @@ class BackendUnavailableError(DFlashError, ImportError):
 def field_error(cls: type[DFlashError], source: str, field: str, found: object, expected: str, fix: str) -> DFlashError:
     """Build an error whose message names the field, what was found, what was expected, and the fix."""
     return cls(f"{source}: field `{field}` is {found!r}; expected {expected}. Fix: {fix}")
+
+
+class EngineFormatError(DFlashError, ValueError):
+    """An engine folder is malformed, incomplete or was modified after the build (a hash mismatch)."""
+
+
+class IncompatibleEngineError(DFlashError, ValueError):
+    """An engine folder is valid but was built for another format version, device, toolchain or plugin ABI."""
+
+
+class EngineExistsError(DFlashError, FileExistsError):
+    """A build would overwrite an existing engine folder without ``--force``."""

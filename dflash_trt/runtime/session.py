@@ -58,14 +58,15 @@ class GenerationResult:
 class Session:
     """A loaded pair plus its backend and static caches. Thread-safe: requests run one at a time."""
 
-    def __init__(self, pair: ModelPair, *, backend: str = "torch", max_seq_len: int | None = None) -> None:
+    def __init__(self, pair: ModelPair, *, backend: str = "torch", max_seq_len: int | None = None,
+                 engine=None) -> None:
         limit = pair.target.config.max_position_embeddings
         self.max_seq_len = max_seq_len or min(limit, 8192)
         if self.max_seq_len > limit:
             raise RequestError(f"max_seq_len is {self.max_seq_len}; expected <= the target's "
                                f"max_position_embeddings {limit}. Fix: pass a smaller --max-seq-len.")
         self.pair = pair
-        self.backend = create_backend(backend, pair, self.max_seq_len)
+        self.backend = create_backend(backend, pair, self.max_seq_len, engine)
         self.tokenizer: Tokenizer | None = pair.tokenizer
         self._lock = threading.Lock()
 
@@ -76,6 +77,18 @@ class Session:
         """Load checkpoints (``None`` = the embedded stories260K pair) and build a session."""
         return cls(load_pair(target, draft, dtype=dtype, use_draft=use_draft), backend=backend,
                    max_seq_len=max_seq_len)
+
+    @classmethod
+    def load(cls, engine_dir: str | Path, backend: str = "auto", *, max_seq_len: int | None = None) -> Session:
+        """Open an engine folder written by ``dflash-trt build`` (verified: format version, sha256 of every
+        artefact, device, TensorRT version, plugin ABI). ``auto`` = the fastest backend it holds that runs here."""
+        from dflash_trt.runtime.engine_loader import load_engine
+
+        engine = load_engine(engine_dir, backend)
+        if max_seq_len is not None and max_seq_len > engine.max_seq_len:
+            raise RequestError(f"max_seq_len is {max_seq_len}; expected <= {engine.max_seq_len}, the engine's "
+                               f"build limit. Fix: rebuild with --max-seq-len {max_seq_len}.")
+        return cls(engine.pair, backend=engine.backend, max_seq_len=max_seq_len or engine.max_seq_len, engine=engine)
 
     @property
     def default_block_len(self) -> int:

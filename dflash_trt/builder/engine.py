@@ -1,0 +1,333 @@
+"""``build_engine``: checkpoints -> ``engines/NAME/`` (manifest.json + artefacts), atomically.
+
+Everything is written into a hidden temporary folder beside ``out`` and renamed into place only
+after the manifest (with every artefact's sha256) is complete, so an interrupted build never
+leaves a folder that loads (architecture.md contract 1). An existing ``out`` is replaced only with
+``force``. What a backend cannot produce on this machine (TensorRT plans without a GPU, TRT-LLM
+validation without tensorrt_llm) is listed in ``manifest.pending``; the caller reports it
+(``dflash-trt build`` exits 2 with a "needs an NVIDIA GPU / TensorRT x.y" line, never a crash).
+
+Layout::
+
+    manifest.json
+    torch/target.safetensors, torch/draft/{config.json,model.safetensors}   every engine (torch backend)
+    tokenizer/<tok512.bin | tokenizer.json>
+    onnx/target.onnx, onnx/draft.onnx | onnx/draft_plugin.onnx               onnxruntime, tensorrt
+    tensorrt/target.plan, tensorrt/draft.plan, tensorrt/libdflash_plugins.so tensorrt (GPU)
+    trtllm/llm_api_options.yaml, trtllm/target/, trtllm/draft/              trtllm
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shlex
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from safetensors.torch import save_file
+
+import dflash_trt
+from dflash_trt.builder.load import ModelPair, embedded_draft_path, embedded_target_path, load_pair
+from dflash_trt.builder.manifest import (
+    FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, Manifest, QuantName,
+    Quantization, SourceRecord, TokenizerRecord, sha256_file, tool_versions, write_manifest)
+from dflash_trt.errors import EngineExistsError, RequestError
+
+Progress = Callable[[str, str, float | None], None]
+"""``progress(event, step, seconds)``: event is "start" or "done"; seconds is set on "done"."""
+
+_BACKEND_ORDER: tuple[BackendName, ...] = ("tensorrt", "onnxruntime", "torch")
+_ROLES_BACKENDS: dict[str, tuple[BackendName, ...]] = {
+    "target_weights": ("torch", "onnxruntime", "tensorrt"),  # the config/tokenizer side of every session
+    "draft_weights": ("torch", "onnxruntime", "tensorrt"),
+    "tokenizer": ("torch", "onnxruntime", "tensorrt", "trtllm"),
+    "target_graph": ("onnxruntime", "tensorrt"),
+    "draft_graph": ("onnxruntime", "tensorrt"),
+    "draft_graph_plugin": ("onnxruntime", "tensorrt"),
+    "graph_weights": ("onnxruntime", "tensorrt"),
+    "target_plan": ("tensorrt",),
+    "draft_plan": ("tensorrt",),
+    "plugin_library": ("tensorrt",),
+    "plugin_source": ("tensorrt",),
+    "trtllm_config": ("trtllm",),
+    "trtllm_target": ("trtllm",),
+    "trtllm_draft": ("trtllm",),
+    "quant_config": ("torch", "onnxruntime", "tensorrt", "trtllm"),
+}
+
+
+class BuildConfig(BaseModel):
+    """One ``dflash-trt build`` request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    out: Path = Field(description="Engine folder to create (engines/NAME).")
+    target: Path | None = Field(default=None, description="Target checkpoint; None = the embedded stories260K.")
+    draft: Path | None = Field(default=None, description="DFlash drafter folder; None = the embedded drafter when "
+                               "the target is the embedded one, else no drafter.")
+    backend: BackendName = Field(default="onnxruntime", description="What to build: torch | onnxruntime | "
+                                 "tensorrt | trtllm.")
+    quant: QuantName = Field(default="none", description="Target weight quantization: none | fp8 | nvfp4.")
+    max_batch_size: PositiveInt = Field(default=1, description="Largest batch the artefacts accept.")
+    max_seq_len: PositiveInt | None = Field(default=None, description="Longest prompt + output; None = "
+                                            "min(target max_position_embeddings, 8192).")
+    block_len: PositiveInt | None = Field(default=None, le=64, description="Largest block (anchor + drafts); "
+                                          "None = the drafter's block_size.")
+    drafter_graph: Literal["standard", "plugin"] = Field(
+        default="standard", description="Drafter graph ONNX Runtime runs: standard ops (fast) or plugin nodes.")
+    force: bool = Field(default=False, description="Replace an existing engine folder.")
+
+    def command(self) -> str:
+        """The command line that rebuilds this engine (recorded in the manifest, quoted in errors)."""
+        parts = ["dflash-trt", "build"]
+        if self.target is not None:
+            parts += ["--target", str(self.target)]
+        if self.draft is not None:
+            parts += ["--draft", str(self.draft)]
+        parts += ["--out", str(self.out), "--backend", self.backend, "--quant", self.quant,
+                  "--max-batch-size", str(self.max_batch_size)]
+        if self.max_seq_len is not None:
+            parts += ["--max-seq-len", str(self.max_seq_len)]
+        if self.block_len is not None:
+            parts += ["--block-len", str(self.block_len)]
+        if self.drafter_graph != "standard":
+            parts += ["--drafter-graph", self.drafter_graph]
+        return shlex.join(parts + ["--force"])
+
+
+@dataclass
+class BuildReport:
+    """What a build wrote, for the CLI summary."""
+
+    folder: Path
+    manifest: Manifest
+    seconds: float
+    peak_rss_bytes: int
+    steps: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        return self.manifest.pending
+
+
+def _hash_sources(path: Path | None) -> SourceRecord | None:
+    if path is None:
+        return None
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    if path.is_file():  # a llama2.c model: its tokenizer sits beside it
+        files += [p for p in (path.with_name("tok512.bin"), path.with_name("tokenizer.bin")) if p.is_file()]
+    base = path.parent if path.is_file() else path
+    return SourceRecord(path=str(path), files={str(p.relative_to(base)): sha256_file(p) for p in files})
+
+
+def _tokenizer_file(target: Path) -> tuple[str, Path] | None:
+    """The tokenizer file the target loader reads (beside a llama2.c .bin, or tokenizer.json in an HF folder)."""
+    from dflash_trt.builder.target_checkpoint import find_llama2c_model
+
+    if target.is_dir() and (target / "config.json").is_file():
+        return ("hf", target / "tokenizer.json") if (target / "tokenizer.json").is_file() else None
+    model_file = target if target.is_file() else find_llama2c_model(target)
+    if model_file is None:
+        return None
+    found = next((p for p in (model_file.with_name("tok512.bin"), model_file.with_name("tokenizer.bin"))
+                  if p.is_file()), None)
+    return ("llama2c", found) if found is not None else None
+
+
+def _write_torch_weights(pair: ModelPair, work: Path) -> None:
+    """float32 safetensors of the (possibly quantized-then-dequantized) target and the z-lab drafter folder."""
+    from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
+
+    (work / "torch").mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().to(torch.float32).contiguous() for name, t in pair.target.state_dict().items()}
+    if pair.target.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # shares the embedding; safetensors refuses aliased tensors
+    save_file(state, str(work / "torch" / "target.safetensors"), metadata={"format": "pt"})
+    if pair.draft is not None:
+        save_draft_checkpoint(pair.draft, work / "torch" / "draft", torch.float32)
+
+
+def _role_of(relative: str, drafter_graph: str) -> str:
+    """Artefact role from the fixed layout above (the builder wrote these names itself)."""
+    table = {"torch/target.safetensors": "target_weights", "onnx/target.onnx": "target_graph",
+             "onnx/draft.onnx": "draft_graph", "onnx/draft_plugin.onnx": "draft_graph_plugin",
+             "tensorrt/target.plan": "target_plan", "tensorrt/draft.plan": "draft_plan",
+             "trtllm/llm_api_options.yaml": "trtllm_config", "quantization.json": "quant_config"}
+    if relative in table:
+        return table[relative]
+    prefixes = [("torch/draft/", "draft_weights"), ("tokenizer/", "tokenizer"), ("onnx/", "graph_weights"),
+                ("tensorrt/csrc/", "plugin_source"), ("tensorrt/", "plugin_library"), ("trtllm/target/", "trtllm_target"),
+                ("trtllm/draft/", "trtllm_draft")]
+    return next(role for prefix, role in prefixes if relative.startswith(prefix))
+
+
+def _artefacts(work: Path, drafter_graph: str) -> tuple[Artefact, ...]:
+    rows = []
+    for path in sorted(p for p in work.rglob("*") if p.is_file()):
+        relative = path.relative_to(work).as_posix()
+        role = _role_of(relative, drafter_graph)
+        rows.append(Artefact(path=relative, sha256=sha256_file(path), bytes=path.stat().st_size, role=role,
+                             backends=_ROLES_BACKENDS[role]))
+    return tuple(rows)
+
+
+def _quantize(pair: ModelPair, mode: str) -> tuple[ModelPair, Quantization]:
+    """Hook into ``builder/quantize.py`` (quantization numerics are built there, not here)."""
+    if mode == "none":
+        return pair, Quantization(mode="none")
+    from dflash_trt.builder import quantize
+
+    apply = getattr(quantize, "quantize_target", None)
+    if apply is None:
+        raise RequestError(f"--quant {mode}: this dflash-trt has the {mode} numerics but no `quantize_target` yet "
+                           "(builder/quantize.py). Fix: build with --quant none for now.")
+    return apply(pair, mode)
+
+
+def _atomic_replace(work: Path, out: Path) -> None:
+    """Rename ``work`` to ``out``; an existing ``out`` (``force``) is moved aside first, then deleted."""
+    trash = None
+    if out.exists():
+        trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out, trash)
+    os.rename(work, out)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def build_engine(config: BuildConfig, progress: Progress | None = None) -> BuildReport:
+    """Build ``config.out``. Returns the report; ``report.pending`` lists what this machine could not write."""
+    out = config.out
+    if out.exists() and not config.force:
+        raise EngineExistsError(f"{out}: already exists; expected a new folder (builds never overwrite silently). "
+                                "Fix: pass --force to replace it, or choose another --out.")
+    began = time.perf_counter()
+    steps: list[tuple[str, float]] = []
+
+    def step(name: str, action: Callable[[], object]) -> object:
+        if progress:
+            progress("start", name, None)
+        t0 = time.perf_counter()
+        result = action()
+        steps.append((name, time.perf_counter() - t0))
+        if progress:
+            progress("done", name, steps[-1][1])
+        return result
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    work.mkdir()
+    try:
+        manifest = _build_into(config, work, step)
+        _atomic_replace(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return BuildReport(out, manifest, time.perf_counter() - began, peak, steps)
+
+
+def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
+    target_path = config.target or embedded_target_path()
+    draft_path = config.draft if config.draft is not None else (embedded_draft_path() if config.target is None
+                                                                 else None)
+    pair: ModelPair = step("load checkpoints", lambda: load_pair(config.target, config.draft, dtype="float32"))
+    pair, quantization = step(f"quantize ({config.quant})", lambda: _quantize(pair, config.quant)) \
+        if config.quant != "none" else (pair, Quantization(mode="none"))
+    target_cfg = pair.target.config
+    draft_cfg = pair.draft.config if pair.draft is not None else None
+    max_seq_len = config.max_seq_len or min(target_cfg.max_position_embeddings, 8192)
+    if max_seq_len > target_cfg.max_position_embeddings:
+        raise RequestError(f"--max-seq-len is {max_seq_len}; expected <= the target's max_position_embeddings "
+                           f"{target_cfg.max_position_embeddings}. Fix: pass a smaller --max-seq-len.")
+    block_len = config.block_len or (draft_cfg.block_size if draft_cfg else 1)
+    if draft_cfg is not None and block_len < 2:
+        raise RequestError(f"--block-len is {block_len}; expected >= 2 with a drafter (anchor + at least one draft). "
+                           "Fix: omit --block-len to use the drafter's block_size.")
+    from dflash_trt.builder.export_onnx import OPSET, GraphLimits
+
+    limits = GraphLimits(config.max_batch_size, max_seq_len, block_len)
+    step("write torch weights", lambda: _write_torch_weights(pair, work))
+    tokenizer = _tokenizer_file(target_path)
+    tokenizer_record = None
+    if tokenizer is not None:
+        kind, file = tokenizer
+        (work / "tokenizer").mkdir()
+        shutil.copyfile(file, work / "tokenizer" / file.name)
+        tokenizer_record = TokenizerRecord(kind=kind, path=f"tokenizer/{file.name}")
+
+    backends: list[BackendName] = ["torch"]
+    pending: list[str] = []
+    checks: dict[str, str] = {}
+    plugins = ()
+    tensorrt_stamp = None
+    drafter_graph = None
+    if config.backend in ("onnxruntime", "tensorrt"):
+        drafter_graph = config.drafter_graph
+        plugins = _export_graphs(pair, work, limits, config.backend, drafter_graph, step)
+        backends.append("onnxruntime")
+    if config.backend == "tensorrt":
+        from dflash_trt.builder import build_trt
+
+        result = step("build TensorRT plans", lambda: build_trt.build_plans(work, pair, limits, config.command()))
+        tensorrt_stamp, trt_checks, trt_pending = result
+        checks.update(trt_checks)
+        pending += trt_pending
+        if tensorrt_stamp is not None:
+            backends.append("tensorrt")
+    if config.backend == "trtllm":
+        from dflash_trt.builder import bundle_trtllm
+
+        trt_checks, trt_pending = step("write TensorRT-LLM bundle", lambda: bundle_trtllm.write_bundle(
+            work, pair, quantization, limits, tokenizer))
+        checks.update(trt_checks)
+        pending += trt_pending
+        backends.append("trtllm")
+
+    def finish() -> Manifest:
+        manifest = Manifest(
+            format=FORMAT, format_version=FORMAT_VERSION, package_version=dflash_trt.__version__,
+            created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), name=config.out.name,
+            backends=tuple(b for b in _BACKEND_ORDER if b in backends) + (("trtllm",) if "trtllm" in backends else ()),
+            sources={k: v for k, v in (("target", _hash_sources(target_path)), ("draft", _hash_sources(draft_path)))
+                     if v is not None},
+            target_config=target_cfg, draft_config=draft_cfg,
+            dflash=DFlashSettings(block_len=draft_cfg.block_size, draft_len=draft_cfg.block_size - 1,
+                                  target_layer_ids=draft_cfg.target_layer_ids,
+                                  mask_token_id=draft_cfg.mask_token_id) if draft_cfg else None,
+            tokenizer=tokenizer_record, quantization=quantization,
+            build=BuildSettings(backend=config.backend, max_batch_size=config.max_batch_size, max_seq_len=max_seq_len,
+                                block_len=block_len, dtype="float32", drafter_graph=drafter_graph,
+                                opset=OPSET if drafter_graph else None, command=config.command()),
+            artefacts=_artefacts(work, drafter_graph or "standard"), plugins=plugins, tools=tool_versions(),
+            tensorrt=tensorrt_stamp, checks=checks, pending=tuple(pending))
+        write_manifest(work, manifest)
+        return manifest
+
+    return step("hash artefacts, write manifest", finish)
+
+
+def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_graph: str, step) -> tuple:
+    """target.onnx plus the drafter graph(s): ORT gets the chosen variant; TensorRT gets both."""
+    from dflash_trt.builder.export_onnx import export_draft, export_target
+    from dflash_trt.builder.manifest import PluginStamp
+    from dflash_trt.plugins.schema import BLOCK_ATTENTION
+
+    onnx_dir = work / "onnx"
+    taps = pair.draft.config.target_layer_ids if pair.draft is not None else ()
+    step("export target ONNX", lambda: export_target(pair.target, taps, onnx_dir / "target.onnx", limits))
+    if pair.draft is None:
+        return ()
+    variants = ["standard", "plugin"] if backend == "tensorrt" else [drafter_graph]
+    for variant in variants:
+        name = "draft_plugin.onnx" if variant == "plugin" else "draft.onnx"
+        step(f"export drafter ONNX ({variant})", lambda name=name, variant=variant: export_draft(
+            pair.draft, pair.target, onnx_dir / name, limits, plugin=variant == "plugin"))
+    return (PluginStamp(**BLOCK_ATTENTION.stamp()),) if "plugin" in variants else ()

@@ -1,0 +1,238 @@
+"""``engines/NAME/manifest.json``: the versioned contract between builder and runtime (architecture.md
+contract 1, style R8, serving.md §5).
+
+The manifest records where the weights came from (sha256 of every source file), the configs the
+runtime needs (target, drafter, ``block_len``, ``target_layer_ids``, ``mask_token_id``), the
+tokenizer, the quantization, every artefact with its sha256 and the backends that read it, tool
+versions, the plugin schema stamps and, for TensorRT plans, the GPU compute capability and TensorRT
+version. ``read_manifest`` gates on ``format``/``format_version`` *before* validating the rest, so a
+folder written by a newer release is refused with both versions named, never half-understood.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+
+from dflash_trt.config import DraftConfig, TargetConfig
+from dflash_trt.errors import EngineFormatError, IncompatibleEngineError
+
+FORMAT = "dflash-trt-engine"
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+MANIFEST_NAME = "manifest.json"
+_HASH_CHUNK = 1 << 20
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+
+BackendName = Literal["torch", "onnxruntime", "tensorrt", "trtllm"]
+QuantName = Literal["none", "fp8", "nvfp4"]
+ArtefactRole = Literal["target_weights", "draft_weights", "tokenizer", "target_graph", "draft_graph",
+                       "draft_graph_plugin", "graph_weights", "target_plan", "draft_plan", "plugin_library",
+                       "plugin_source", "trtllm_config", "trtllm_target", "trtllm_draft", "quant_config"]
+
+
+class SourceRecord(BaseModel):
+    """One input checkpoint: where it was read from and the sha256 of each of its files."""
+
+    model_config = _FROZEN
+    path: str = Field(description="Path the checkpoint was read from at build time (informational).")
+    files: dict[str, str] = Field(description="File name (relative to `path`) -> sha256.")
+
+
+class Artefact(BaseModel):
+    """One file of the engine folder."""
+
+    model_config = _FROZEN
+    path: str = Field(description="Path relative to the engine folder, '/'-separated.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes.")
+    bytes: NonNegativeInt = Field(description="File size.")
+    role: ArtefactRole = Field(description="What the file holds.")
+    backends: tuple[BackendName, ...] = Field(description="Backends that read this file.")
+
+
+class PluginStamp(BaseModel):
+    """A custom op the artefacts depend on (``plugins/schema.py``): name, namespace, version and ABI hash."""
+
+    model_config = _FROZEN
+    name: str = Field(description="`namespace::name`, e.g. dflash::block_attention.")
+    onnx_op_type: str = Field(description="ONNX node op_type / TensorRT plugin name.")
+    namespace: str = Field(description="Plugin namespace.")
+    version: str = Field(description="Plugin version.")
+    abi: str = Field(description="Hash of the op declaration the artefacts were built against.")
+
+
+class TensorRTStamp(BaseModel):
+    """What a TensorRT plan is tied to (serving.md §5): a plan only runs on the same SM and TensorRT version."""
+
+    model_config = _FROZEN
+    version: str = Field(description="TensorRT version that built the plans.")
+    compute_capability: str = Field(description="GPU compute capability the plans target, e.g. '9.0'.")
+    gpu_name: str = Field(description="GPU the plans were built on.")
+    cuda_version: str | None = Field(default=None, description="CUDA runtime version at build time.")
+    strongly_typed: bool = Field(description="Networks were created strongly typed.")
+    plugin_library: str | None = Field(default=None, description="Engine-relative path of the plugin .so.")
+    plugin_library_sha256: str | None = Field(default=None, description="sha256 of the plugin library (its ABI).")
+    profiles: dict[str, dict[str, list[list[int]]]] = Field(
+        description="Optimisation profiles: graph -> input -> [min, opt, max] shapes.")
+
+
+class Quantization(BaseModel):
+    """How the target weights were quantized (ModelOpt names, serving.md §3.1)."""
+
+    model_config = _FROZEN
+    mode: QuantName = Field(description="none | fp8 | nvfp4.")
+    quant_algo: str | None = Field(default=None, description="ModelOpt `quant_algo` (FP8, NVFP4) or null.")
+    group_size: PositiveInt | None = Field(default=None, description="NVFP4 block size (16).")
+    kv_cache_quant_algo: str | None = Field(default=None, description="KV-cache quantization, null = float.")
+    exclude_modules: tuple[str, ...] = Field(default=(), description="Modules left unquantized.")
+    details: dict[str, str] = Field(default_factory=dict, description="Producer-specific notes.")
+
+
+class BuildSettings(BaseModel):
+    """The build request and the shape limits every artefact honours."""
+
+    model_config = _FROZEN
+    backend: BackendName = Field(description="The --backend of the build.")
+    max_batch_size: PositiveInt = Field(description="Largest batch the graphs/plans accept.")
+    max_seq_len: PositiveInt = Field(description="Longest prompt + output; RoPE tables and caches are sized by it.")
+    block_len: PositiveInt = Field(description="Largest block (anchor + drafts) the drafter graph accepts.")
+    dtype: Literal["float32"] = Field(description="Activation dtype of the graphs.")
+    drafter_graph: Literal["standard", "plugin"] | None = Field(
+        description="Which drafter graph ONNX Runtime runs: standard ONNX ops (fast) or DFlashBlockAttention nodes.")
+    opset: PositiveInt | None = Field(description="ONNX opset of the graphs, null when none were written.")
+    command: str = Field(description="The command that rebuilds this folder.")
+
+
+class DFlashSettings(BaseModel):
+    model_config = _FROZEN
+    block_len: PositiveInt = Field(description="The drafter's trained block length B (checkpoint `block_size`).")
+    draft_len: NonNegativeInt = Field(description="K = block_len - 1 drafts per cycle.")
+    target_layer_ids: tuple[NonNegativeInt, ...] = Field(description="Tapped target layers.")
+    mask_token_id: NonNegativeInt = Field(description="Token filling the non-anchor block slots.")
+
+
+class TokenizerRecord(BaseModel):
+    model_config = _FROZEN
+    kind: Literal["llama2c", "hf"] = Field(description="llama2.c tokenizer.bin or HF tokenizer.json.")
+    path: str = Field(description="Engine-relative path of the tokenizer file.")
+
+
+class Manifest(BaseModel):
+    """``manifest.json``. Unknown keys are refused; ``format_version`` gates everything else."""
+
+    model_config = _FROZEN
+    format: Literal["dflash-trt-engine"] = Field(description="Always 'dflash-trt-engine'.")
+    format_version: PositiveInt = Field(description="Layout version of this folder.")
+    package_version: str = Field(description="dflash-trt version that wrote it.")
+    created_utc: str = Field(description="Build time, ISO 8601 UTC.")
+    name: str = Field(description="Engine name (the folder name at build time).")
+    backends: tuple[BackendName, ...] = Field(description="Backends this folder can run on, fastest first.")
+    sources: dict[str, SourceRecord] = Field(description="'target' and 'draft' checkpoints with file hashes.")
+    target_config: TargetConfig = Field(description="The target's normalised config.")
+    draft_config: DraftConfig | None = Field(description="The drafter's normalised config, null without one.")
+    dflash: DFlashSettings | None = Field(description="Speculation settings, null without a drafter.")
+    tokenizer: TokenizerRecord | None = Field(description="Tokenizer file, null when the target has none.")
+    quantization: Quantization = Field(description="Target weight quantization.")
+    build: BuildSettings = Field(description="Build request and limits.")
+    artefacts: tuple[Artefact, ...] = Field(description="Every file of the folder except manifest.json.")
+    plugins: tuple[PluginStamp, ...] = Field(description="Custom ops the graphs/plans use.")
+    tools: dict[str, str | None] = Field(description="Versions of python, torch, onnx, onnxruntime, tensorrt, ...")
+    tensorrt: TensorRTStamp | None = Field(default=None, description="Present when TensorRT plans were built.")
+    checks: dict[str, str] = Field(default_factory=dict, description="Build-time checks and their outcome.")
+    pending: tuple[str, ...] = Field(default=(), description="What this build could not write here, and why.")
+
+    def artefact(self, role: str) -> Artefact | None:
+        return next((a for a in self.artefacts if a.role == role), None)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def rebuild_hint(raw: dict) -> str:
+    """The rebuild command recorded in a (possibly unreadable) manifest dict, or a generic one."""
+    build = raw.get("build") if isinstance(raw, dict) else None
+    command = build.get("command") if isinstance(build, dict) else None
+    return command if isinstance(command, str) and command else "dflash-trt build --out engines/NAME ..."
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """Parse and validate ``folder/manifest.json``: format, version gate, then the strict schema."""
+    path = folder / MANIFEST_NAME
+    if not folder.is_dir():
+        raise EngineFormatError(f"{folder}: is not a folder; expected an engine folder written by `dflash-trt build`. "
+                                "Fix: pass the folder given as --out to the build.")
+    if not path.is_file():
+        raise EngineFormatError(f"{path}: not found; expected the manifest of an engine folder (a build that was "
+                                "interrupted leaves no folder at all). Fix: build it with `dflash-trt build --out "
+                                f"{folder}`.")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineFormatError(f"{path}: is not valid JSON ({exc}); expected a dflash-trt manifest. Fix: rebuild the "
+                                "engine.") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise EngineFormatError(f"{path}: field `format` is {found!r}; expected {FORMAT!r}. Fix: pass a folder "
+                                "written by `dflash-trt build`.")
+    version = raw.get("format_version")
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+        raise IncompatibleEngineError(
+            f"{path}: field `format_version` is {version!r}; this dflash-trt reads {list(SUPPORTED_FORMAT_VERSIONS)} "
+            f"(it writes {FORMAT_VERSION}). The engine was written by dflash-trt {raw.get('package_version')!r}. "
+            f"Fix: rebuild it with this version: `{rebuild_hint(raw)}`, or install the dflash-trt that built it.")
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise EngineFormatError(f"{path}: field `{where}` is {first.get('input')!r}: {first['msg']}. Fix: rebuild "
+                                f"the engine with `{rebuild_hint(raw)}`; never edit manifest.json by hand.") from None
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    path = folder / MANIFEST_NAME
+    path.write_text(json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def verify_artefacts(folder: Path, manifest: Manifest, roles: set[str] | None = None) -> None:
+    """Recompute the sha256 of every artefact (or those with ``roles``); refuse naming the first bad file."""
+    for artefact in manifest.artefacts:
+        if roles is not None and artefact.role not in roles:
+            continue
+        path = folder / artefact.path
+        if not path.is_file():
+            raise EngineFormatError(f"{path}: missing; the manifest lists `{artefact.path}` ({artefact.role}). "
+                                    f"Fix: rebuild the engine with `{manifest.build.command}`.")
+        size = path.stat().st_size
+        digest = sha256_file(path) if size == artefact.bytes else None
+        if digest != artefact.sha256:
+            found = f"{size} bytes" if digest is None else f"sha256 {digest[:16]}…"
+            expected = f"{artefact.bytes} bytes" if digest is None else f"{artefact.sha256[:16]}…"
+            raise EngineFormatError(f"{path}: artefact `{artefact.path}` has {found}; expected {expected} as recorded "
+                                    "in manifest.json: the file was modified or corrupted after the build. Fix: "
+                                    f"rebuild the engine with `{manifest.build.command}`.")
+
+
+def tool_versions() -> dict[str, str | None]:
+    """Installed versions of the tools an engine may depend on (None = not installed)."""
+    import platform
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("dflash-trt", "torch", "onnx", "onnxscript", "onnxruntime", "onnxruntime-extensions",
+                 "tensorrt", "tensorrt-rtx", "tensorrt_llm", "nvidia-modelopt"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions

@@ -1,0 +1,1 @@
+"""ONNX Runtime bindings: the ``DFlashBlockAttention`` custom op (CPU) and the ``onnxruntime`` backend."""

@@ -1,0 +1,146 @@
+"""Open an engine folder for ``Session.load``: verify, choose the backend, rebuild the ``ModelPair``.
+
+Order matters (serving.md §5): the manifest's format version is gated first, then the requested
+backend is matched against what the folder holds and what this machine can run (device, TensorRT
+version, plugin ABI; no TensorRT object is created here), then every artefact's sha256 is checked,
+and only then are weights read. Each refusal names the field or file, what was found, what was
+expected, and the rebuild command recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+
+from dflash_trt.builder.load import ModelPair, load_draft
+from dflash_trt.builder.manifest import Manifest, read_manifest, verify_artefacts
+from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
+from dflash_trt.model.target import TargetModel
+from dflash_trt.plugins.schema import SCHEMAS
+
+SESSION_BACKENDS = ("tensorrt", "onnxruntime", "torch")
+"""Backends ``Session`` can drive, fastest first (what ``auto`` tries)."""
+
+
+@dataclass(frozen=True)
+class LoadedEngine:
+    """A verified engine folder, the backend chosen for it and the pair rebuilt from its weights."""
+
+    folder: Path
+    manifest: Manifest
+    backend: str
+    pair: ModelPair
+
+    def path_of(self, role: str) -> Path:
+        artefact = self.manifest.artefact(role)
+        if artefact is None:
+            raise EngineFormatError(f"{self.folder}: manifest has no `{role}` artefact; expected one for backend "
+                                    f"{self.backend!r}. Fix: rebuild with `{self.manifest.build.command}`.")
+        return self.folder / artefact.path
+
+    @property
+    def target_graph(self) -> Path:
+        return self.path_of("target_graph")
+
+    @property
+    def draft_graph(self) -> Path:
+        plugin = self.manifest.build.drafter_graph == "plugin"
+        return self.path_of("draft_graph_plugin" if plugin else "draft_graph")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.manifest.build.max_seq_len
+
+
+def _runnable_here(manifest: Manifest, name: str) -> str | None:
+    """Why backend ``name`` cannot run this folder on this machine, or None when it can."""
+    if name == "onnxruntime" and find_spec("onnxruntime") is None:
+        return "the onnxruntime package is not installed (pip install 'dflash-trt[onnx]')"
+    if name == "tensorrt":
+        from dflash_trt.plugins.tensorrt.device import tensorrt_blocker
+
+        return tensorrt_blocker(manifest.tensorrt)
+    return None
+
+
+def resolve_backend(manifest: Manifest, requested: str, folder: Path) -> str:
+    """``auto`` -> the fastest backend the folder holds and this machine runs; else check ``requested``."""
+    held = [name for name in SESSION_BACKENDS if name in manifest.backends]
+    if requested == "auto":
+        reasons = {}
+        for name in held:
+            reasons[name] = _runnable_here(manifest, name)
+            if reasons[name] is None:
+                return name
+        raise BackendUnavailableError(f"{folder}: no backend of this engine can run here: "
+                                      + "; ".join(f"{n}: {r}" for n, r in reasons.items())
+                                      + f". Fix: install what is named, or rebuild with `dflash-trt build --backend "
+                                      f"onnxruntime --out {folder}`.")
+    if requested == "trtllm":
+        raise BackendUnavailableError(f"{folder}: backend 'trtllm' is served by TensorRT-LLM, not by Session. Fix: "
+                                      f"`trtllm-serve <target> --config {folder}/trtllm/llm_api_options.yaml`, or "
+                                      "dflash_trt.builder.bundle_trtllm.TrtLlmRunner on a GPU machine.")
+    if requested not in SESSION_BACKENDS:
+        raise BackendUnavailableError(f"backend is {requested!r}; expected one of {list(SESSION_BACKENDS)} or 'auto'.")
+    if requested not in manifest.backends:
+        raise IncompatibleEngineError(f"{folder}: backend {requested!r} was not built into this engine; it holds "
+                                      f"{list(manifest.backends)}. Fix: pass --backend {held[0] if held else 'auto'}, "
+                                      f"or rebuild with `dflash-trt build --backend {requested} --out {folder} ...`.")
+    reason = _runnable_here(manifest, requested)
+    if reason is not None:
+        raise BackendUnavailableError(f"{folder}: backend {requested!r} cannot run here: {reason}. Fix: run on a "
+                                      f"machine that has it, or pass --backend {held[-1]}.")
+    return requested
+
+
+def check_plugins(manifest: Manifest, folder: Path) -> None:
+    """Every plugin the artefacts use must match this package's declaration (name, version, ABI)."""
+    for stamp in manifest.plugins:
+        schema = SCHEMAS.get(stamp.name)
+        if schema is None or schema.version != stamp.version or schema.abi != stamp.abi:
+            found = f"{stamp.name} v{stamp.version} ABI {stamp.abi}"
+            expected = f"v{schema.version} ABI {schema.abi}" if schema else "no such op in this dflash-trt"
+            raise IncompatibleEngineError(f"{folder}: engine was built against plugin {found}; this dflash-trt has "
+                                          f"{expected}. Fix: rebuild with `{manifest.build.command}`.")
+
+
+def _load_target(folder: Path, manifest: Manifest) -> TargetModel:
+    from dflash_trt.builder.safe_files import read_tensors
+    from dflash_trt.builder.target_checkpoint import _strict_load
+
+    artefact = manifest.artefact("target_weights")
+    if artefact is None:
+        raise EngineFormatError(f"{folder}: manifest lists no `target_weights` artefact; expected torch/target."
+                                f"safetensors. Fix: rebuild with `{manifest.build.command}`.")
+    model = TargetModel(manifest.target_config)
+    _strict_load(model, read_tensors([folder / artefact.path]), str(folder / artefact.path))
+    return model.eval()
+
+
+def _load_tokenizer(folder: Path, manifest: Manifest):
+    from dflash_trt.tokenizer import HFTokenizer, Llama2cTokenizer
+
+    record = manifest.tokenizer
+    if record is None:
+        return None
+    return (Llama2cTokenizer if record.kind == "llama2c" else HFTokenizer)(folder / record.path)
+
+
+def load_engine(folder: str | Path, backend: str = "auto") -> LoadedEngine:
+    """Verify ``folder`` and rebuild its pair (float32) for ``backend`` (``auto`` = fastest runnable here)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    name = resolve_backend(manifest, backend, folder)
+    check_plugins(manifest, folder)
+    verify_artefacts(folder, manifest)
+    target = _load_target(folder, manifest)
+    draft = None
+    draft_artefact = manifest.artefact("draft_weights")
+    if manifest.draft_config is not None and draft_artefact is not None:
+        draft_dir = (folder / draft_artefact.path).parent
+        draft = load_draft(draft_dir, torch.float32)
+    pair = ModelPair(target, draft, _load_tokenizer(folder, manifest), folder, folder if draft else None)
+    return LoadedEngine(folder, manifest, name, pair)
