@@ -51,3 +51,7 @@ class IncompatibleEngineError(DFlashError, ValueError):
 
 class EngineExistsError(DFlashError, FileExistsError):
     """A build would overwrite an existing engine folder without ``--force``."""
+
+
+class ServingError(DFlashError, RuntimeError):
+    """A Triton model repository cannot be written, or the bundled tritonserver failed to start or stop."""
