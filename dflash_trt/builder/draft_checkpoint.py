@@ -61,7 +61,8 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
                                     "object with `mask_token_id` (and optionally `target_layer_ids`). Fix: add it.")
     if raw.get("model_type") != "qwen3":
         raise UnsupportedArchitectureError(f"{source}: field `model_type` is {raw.get('model_type')!r}; expected "
-                                           "'qwen3' (DFlash drafters are Qwen3 decoder stacks).")
+                                           "'qwen3' (DFlash drafters are Qwen3 decoder stacks). Fix: pass a z-lab "
+                                           "DFlash drafter; other draft families are not supported.")
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(raw.get(key), int):
             raise CheckpointFormatError(f"{source}: field `{key}` is {raw.get(key)!r}; expected an integer. "
@@ -78,6 +79,9 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     layer_ids = _lookup(raw, "target_layer_ids")
     if layer_ids is None:
         layer_ids = build_target_layer_ids(num_target_layers, num_layers)
+    elif not isinstance(layer_ids, list) or not all(isinstance(i, int) for i in layer_ids):
+        raise CheckpointFormatError(f"{source}: field `dflash_config.target_layer_ids` is {layer_ids!r}; expected a "
+                                    "list of target layer indices. Fix: write it as a JSON list, e.g. [1, 9, 17].")
     layer_types = raw.get("layer_types")
     window = raw.get("sliding_window")
     if layer_types is None:
@@ -89,7 +93,8 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     unknown = [kind for kind in layer_types if kind not in _LAYER_TYPES]
     if unknown:
         raise UnsupportedArchitectureError(f"{source}: field `layer_types` contains {unknown!r}; expected only "
-                                           f"{sorted(_LAYER_TYPES)}.")
+                                           f"{sorted(_LAYER_TYPES)}. Fix: use a DFlash (v1) drafter; other "
+                                           "attention kinds are not implemented.")
     softcap = _lookup(raw, "final_logit_softcapping")
     fields = dict(
         hidden_size=raw["hidden_size"],
@@ -153,8 +158,8 @@ def load_draft_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32
 def draft_config_json(config: DraftConfig, dtype: str = "float32") -> dict[str, Any]:
     """The z-lab ``config.json`` for ``config`` (readable by transformers' Qwen3Config and dflash 0.1.0)."""
     rope: dict[str, Any] = {"rope_theta": config.rope.theta, "rope_type": config.rope.kind}
-    if config.rope.kind != "default":
-        rope["factor"] = config.rope.factor
+    if config.rope.kind != "default":  # every scaling field, so a load gives back the same RopeConfig
+        rope |= config.rope.model_dump(exclude={"theta", "kind"})
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",

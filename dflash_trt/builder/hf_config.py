@@ -58,7 +58,8 @@ def parse_target_config(raw: dict[str, Any], source: str) -> TargetConfig:
         raise UnsupportedArchitectureError(f"{source}: field `architectures` is {architectures!r}; expected one of "
                                            f"{sorted(SUPPORTED_TARGETS)}. Fix: use a Llama or Qwen3 checkpoint.")
     if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedArchitectureError(f"{source}: field `hidden_act` is {raw['hidden_act']!r}; expected 'silu'.")
+        raise UnsupportedArchitectureError(f"{source}: field `hidden_act` is {raw['hidden_act']!r}; expected 'silu' "
+                                           "(SwiGLU). Fix: use a Llama or Qwen3 checkpoint.")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(raw.get(key), int):
             raise CheckpointFormatError(f"{source}: field `{key}` is {raw.get(key)!r}; expected an integer. "

@@ -16,7 +16,7 @@ import torch
 from dflash_trt.builder.draft_checkpoint import load_draft_checkpoint
 from dflash_trt.builder.safe_files import is_torch_pickle, refuse_pickle
 from dflash_trt.builder.target_checkpoint import find_llama2c_model, load_hf_target, load_llama2c_target
-from dflash_trt.config import DraftConfig, TargetConfig
+from dflash_trt.config import DraftConfig, RopeConfig, TargetConfig
 from dflash_trt.errors import CheckpointFormatError, IncompatiblePairError
 from dflash_trt.model.draft_head import DraftHead
 from dflash_trt.model.target import TargetModel
@@ -101,11 +101,17 @@ def validate_pair(target: TargetConfig, draft: DraftConfig, source: str = "pair"
         raise IncompatiblePairError(f"{source}: drafter field `dflash_config.target_layer_ids` contains {bad_taps}; "
                                     f"expected ids < the target's {target.num_layers} layers. Fix: use the drafter "
                                     "trained for this target.")
-    if draft.rope.theta != target.rope.theta or draft.rope.kind != target.rope.kind:
-        raise IncompatiblePairError(f"{source}: drafter RoPE is theta={draft.rope.theta} ({draft.rope.kind}); "
-                                    f"expected the target's theta={target.rope.theta} ({target.rope.kind}): positions "
-                                    "are shared with the target. Fix: copy `rope_theta`/`rope_scaling` from the "
-                                    "target config into the drafter config.")
+    if draft.rope != target.rope:  # theta, kind and every scaling field: positions are shared (dflash.md §2.6)
+        raise IncompatiblePairError(f"{source}: drafter RoPE is {_rope_text(draft.rope)}; expected the target's "
+                                    f"{_rope_text(target.rope)}: positions are shared with the target. Fix: copy "
+                                    "`rope_theta`/`rope_scaling` from the target config into the drafter config.")
+
+
+def _rope_text(rope: RopeConfig) -> str:
+    if rope.kind == "default":
+        return f"theta={rope.theta} (default)"
+    return f"theta={rope.theta} ({rope.kind}: " + ", ".join(
+        f"{k}={v}" for k, v in rope.model_dump(exclude={"theta", "kind"}).items()) + ")"
 
 
 def load_pair(target: str | Path | None = None, draft: str | Path | None = None, *, dtype: str = "float32",

@@ -45,7 +45,8 @@ def read_json(path: Path, what: str) -> dict:
         raise CheckpointFormatError(f"{path}: is not valid JSON ({exc}); expected a {what}. Fix: re-export the "
                                     "checkpoint.") from None
     if not isinstance(data, dict):
-        raise CheckpointFormatError(f"{path}: top level is {type(data).__name__}; expected a JSON object.")
+        raise CheckpointFormatError(f"{path}: top level is {type(data).__name__}; expected a JSON object. Fix: "
+                                    "re-export the checkpoint.")
     return data
 
 
@@ -78,6 +79,8 @@ def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     """All tensors of the given safetensors files; a name in two files is an error."""
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
+        if is_torch_pickle(file):  # by content: a pickle renamed to .safetensors is still refused as one
+            raise refuse_pickle(file)
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():

@@ -69,7 +69,8 @@ def read_llama2c(path: Path) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
     """Parse a llama2.c legacy (version 0) export: 7 int32 header fields then float32 arrays."""
     data = path.read_bytes()
     if len(data) < _LLAMA2C_HEADER.size:
-        raise CheckpointFormatError(f"{path}: {len(data)} bytes; expected a llama2.c header of 28 bytes or more.")
+        raise CheckpointFormatError(f"{path}: {len(data)} bytes; expected a llama2.c header of 28 bytes or more. "
+                                    "Fix: the file is truncated or not a llama2.c version-0 export.")
     dim, hidden, layers, heads, kv_heads, vocab, seq_len = _LLAMA2C_HEADER.unpack_from(data)
     tied = vocab > 0
     vocab = abs(vocab)
