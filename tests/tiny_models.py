@@ -16,7 +16,9 @@ Everything is keyed by its spec, so a hypothesis test can draw from a pool of mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import shutil
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -45,7 +47,9 @@ class DraftSpec:
     """A tiny DFlash drafter for a target. ``layer_ids=None`` = ``build_target_layer_ids``.
 
     ``sliding``: per layer, True for ``sliding_attention`` (with ``sliding_window``).
-    ``distill_steps > 0`` distils it on the target's greedy continuations (``dflash_trt.training``).
+    ``distill_steps > 0``: distilled on the target's greedy continuations of ``training_prompts(seed,
+    distill_prompts)`` through ``dflash_trt.training`` (tests skip when it is absent); 0 = random weights.
+    ``config_overrides``: a JSON object merged into the saved ``config.json`` (top-level keys replaced).
     """
 
     seed: int = 0
@@ -55,6 +59,8 @@ class DraftSpec:
     sliding: tuple[bool, ...] | None = None
     sliding_window: int = 6
     distill_steps: int = 0
+    distill_prompts: int = 16
+    config_overrides: str = ""
 
 
 def hf_config(spec: TargetSpec):
@@ -112,15 +118,47 @@ def draft_config_for_spec(target_cfg, spec: DraftSpec):
         num_layers=spec.num_layers, num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
         head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps, rope=target_cfg.rope,
         vocab_size=target_cfg.vocab_size, max_position_embeddings=target_cfg.max_position_embeddings,
-        num_target_layers=target_cfg.num_layers, target_layer_ids=tuple(layer_ids), block_size=spec.block_size,
-        mask_token_id=MASK_TOKEN_ID, layer_sliding=tuple(sliding),
-        sliding_window=spec.sliding_window if any(sliding) else None,
+        attention_bias=target_cfg.attention_bias, num_target_layers=target_cfg.num_layers,
+        target_layer_ids=tuple(layer_ids), block_size=spec.block_size, mask_token_id=MASK_TOKEN_ID,
+        layer_sliding=tuple(sliding), sliding_window=spec.sliding_window if any(sliding) else None,
     )
 
 
-def distill_prompts(seed: int, count: int = 48, length: int = 8) -> list[list[int]]:
+def training_prompts(seed: int, count: int = 16, length: int = 8) -> list[list[int]]:
+    """The prompts a distilled drafter was trained on (the drafter accepts a mix of 1..B on them)."""
     generator = torch.Generator().manual_seed(20_000 + seed)
     return torch.randint(0, PROMPT_VOCAB, (count, length), generator=generator).tolist()
+
+
+def training_api():
+    """``(draft_config_for, self_distill_sequences, distill_drafter)`` from ``dflash_trt.training``, or skip."""
+    names = ("draft_config_for", "self_distill_sequences", "distill_drafter")
+    try:
+        import dflash_trt.training as training
+
+        if all(hasattr(training, name) for name in names):
+            return tuple(getattr(training, name) for name in names)
+        # the package's exports are not written yet: take the functions from their modules
+        from dflash_trt.training.data import self_distill_sequences
+        from dflash_trt.training.draft_config import draft_config_for
+        from dflash_trt.training.trainer import distill_drafter
+    except ImportError as exc:
+        pytest.skip(f"dflash_trt.training is not available ({exc}); distilled-drafter cases need it")
+    return draft_config_for, self_distill_sequences, distill_drafter
+
+
+def distill(target_model, spec: DraftSpec):
+    """A drafter distilled for ``spec.distill_steps`` steps on the target's greedy continuations."""
+    draft_config_for, self_distill_sequences, distill_drafter = training_api()
+    config = draft_config_for(target_model.config, num_layers=spec.num_layers, block_len=spec.block_size,
+                              mask_token_id=MASK_TOKEN_ID, target_layer_ids=spec.layer_ids)
+    if spec.sliding:
+        config = config.model_copy(update={"layer_sliding": tuple(spec.sliding),
+                                           "sliding_window": spec.sliding_window})
+    sequences = self_distill_sequences(target_model, training_prompts(spec.seed, spec.distill_prompts),
+                                       max_new_tokens=40, temperature=0.0, seed=spec.seed)
+    return distill_drafter(target_model, config, sequences, steps=spec.distill_steps, seed=spec.seed,
+                           max_anchors=32)
 
 
 @dataclass
@@ -150,27 +188,31 @@ class Zoo:
     def drafter(self, target: TargetSpec = TargetSpec(), spec: DraftSpec = DraftSpec()) -> Path:
         """A z-lab DFlash drafter folder for ``target`` (random, or distilled when ``spec.distill_steps``)."""
         key = (target, spec)
-        if key not in self._drafters:
+        if key in self._drafters:
+            return self._drafters[key]
+        if spec.config_overrides:  # same weights as the spec without overrides, edited config.json
+            base = self.drafter(target, replace(spec, config_overrides=""))
+            folder = self.root / f"draft-{len(self._drafters)}"
+            shutil.copytree(base, folder)
+            raw = json.loads((folder / "config.json").read_text())
+            raw.update(json.loads(spec.config_overrides))
+            (folder / "config.json").write_text(json.dumps(raw, indent=2))
+        else:
+            folder = self.root / f"draft-{len(self._drafters)}"
             from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
             from dflash_trt.builder.load import load_target
             from dflash_trt.model.draft_head import DraftHead
 
             target_model, _ = load_target(self.target(target))
-            config = draft_config_for_spec(target_model.config, spec)
             if spec.distill_steps:
-                training = pytest.importorskip("dflash_trt.training", reason="dflash_trt.training not available yet")
-                sequences = training.self_distill_sequences(target_model, distill_prompts(spec.seed),
-                                                            max_new_tokens=48, temperature=0.0, seed=spec.seed)
-                head = training.distill_drafter(target_model, config, sequences, steps=spec.distill_steps,
-                                                seed=spec.seed)
+                head = distill(target_model, spec)
             else:
                 torch.manual_seed(30_000 + spec.seed)
-                head = DraftHead(config)
+                head = DraftHead(draft_config_for_spec(target_model.config, spec))
                 perturb_norms(head, spec.seed)
-            folder = self.root / f"draft-{len(self._drafters)}"
             save_draft_checkpoint(head, folder)
-            self._drafters[key] = folder
-        return self._drafters[key]
+        self._drafters[key] = folder
+        return folder
 
     def session(self, target: TargetSpec = TargetSpec(), draft: DraftSpec | None = None):
         """A ``Session`` over the pair (``draft=None``: target only, plain decoding)."""

@@ -1,0 +1,225 @@
+"""Token-for-token parity with the official implementation, ``dflash`` 0.1.0 (reference-implementation.md §7).
+
+Both sides load the same checkpoints in float32: the target as a transformers ``save_pretrained`` folder
+(the reference through ``AutoModelForCausalLM``, attn ``sdpa``), the drafter as a z-lab DFlash folder
+(the reference through its own ``DFlashDraftModel.from_pretrained``). Greedy decoding must give identical
+generated ids, identical per-cycle acceptance lengths and identical per-cycle draft proposals (argmax of
+block slots 1..B-1), and both must equal plain autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from tiny_models import PROMPT_VOCAB, DraftSpec, TargetSpec, Zoo, training_prompts
+
+from dflash_trt.config import SamplingParams
+
+ATOL = 1e-5  # float32 draft logits of two implementations of the same network
+
+dflash_model = pytest.importorskip("dflash.model", reason="the reference implementation `dflash` 0.1.0 is not installed")
+
+QWEN3 = TargetSpec(family="qwen3")  # 6 layers: default taps [1, 3]
+LLAMA = TargetSpec(family="llama", seed=1, num_layers=5)
+TIED = TargetSpec(family="qwen3", seed=2, num_layers=4, tied=True)
+LLAMA3_ROPE = TargetSpec(family="llama", seed=5, num_layers=4, rope_type="llama3")
+
+DISTILLED = DraftSpec(distill_steps=60)  # 2 layers, block 4, taps [1, 3]
+DISTILLED_LLAMA = DraftSpec(seed=1, distill_steps=60)  # taps [1, 2] of 5 layers
+RANDOM = DraftSpec(seed=3)
+SLIDING = DraftSpec(seed=4, sliding=(True, False), sliding_window=5, distill_steps=60)
+MORE_TAPS = DraftSpec(seed=5, num_layers=1, layer_ids=(4, 0, 2), distill_steps=60)  # 3 taps, 1 layer, unsorted
+SCALED = replace(DISTILLED, config_overrides=json.dumps({
+    "dflash_config": {"mask_token_id": 255, "target_layer_ids": [1, 3], "input_embedding_scale": 1.25,
+                      "output_multiplier": 0.8},
+    "final_logit_softcapping": 4.0,
+}))
+LAST_LAYER_TAP = DraftSpec(seed=6, layer_ids=(1, 5))  # tap N-1: transformers 5.15 reports it final-normed
+CAUSAL = replace(SLIDING, config_overrides='{"is_causal": true}')
+NON_CAUSAL = replace(SLIDING, config_overrides='{"is_causal": false, "sliding_window": 2}')
+
+
+@dataclass(frozen=True)
+class Case:
+    target: TargetSpec
+    draft: DraftSpec
+    block_len: int
+    max_new_tokens: int
+    prompt: str = "trained-0"  # "trained-i": the i-th distillation prompt; "random-s[-n]": n random ids, seed s
+    stop_at: int | None = None  # stop token = the plain-decoding token at this output index
+    accepts: bool = True  # the case must accept at least one draft (a distilled drafter on a trained prompt)
+
+
+CASES = {
+    "distilled-trained-block": Case(QWEN3, DISTILLED, 4, 48),
+    "distilled-longer-block-than-trained": Case(QWEN3, DISTILLED, 8, 48, "trained-1"),
+    "distilled-block-16": Case(QWEN3, DISTILLED, 16, 40, "trained-2"),
+    "distilled-stop-token": Case(QWEN3, DISTILLED, 4, 48, "trained-3", stop_at=17),
+    "distilled-block-shrinks-at-the-end": Case(QWEN3, DISTILLED, 4, 23, "trained-4"),
+    "distilled-block-8-shrinks": Case(QWEN3, DISTILLED, 8, 13, "trained-5"),
+    "distilled-random-prompt": Case(QWEN3, DISTILLED, 4, 32, "random-7", accepts=False),
+    "one-token-prompt": Case(QWEN3, DISTILLED, 4, 24, "random-3-1", accepts=False),
+    "max-new-tokens-1": Case(QWEN3, DISTILLED, 4, 1, "trained-0", accepts=False),
+    "max-new-tokens-2": Case(QWEN3, DISTILLED, 4, 2, "trained-0", accepts=False),
+    "random-drafter": Case(QWEN3, RANDOM, 4, 40, "random-1", accepts=False),
+    "random-drafter-block-7": Case(QWEN3, RANDOM, 7, 30, "random-2", accepts=False),
+    "llama-target": Case(LLAMA, DISTILLED_LLAMA, 4, 48),
+    "llama-target-stop-token": Case(LLAMA, DISTILLED_LLAMA, 6, 40, "trained-2", stop_at=3),
+    "stop-token-is-the-first-token": Case(LLAMA, DISTILLED_LLAMA, 6, 40, "trained-2", stop_at=0, accepts=False),
+    "tied-target": Case(TIED, RANDOM, 5, 30, "random-4", accepts=False),
+    "llama3-rope-target": Case(LLAMA3_ROPE, RANDOM, 4, 30, "random-5", accepts=False),
+    "sliding-window-drafter": Case(QWEN3, SLIDING, 4, 48, "trained-6"),
+    "sliding-window-drafter-block-8": Case(QWEN3, SLIDING, 8, 40, "trained-7"),
+    "three-taps-one-layer": Case(QWEN3, MORE_TAPS, 4, 48, "trained-8"),
+    "embedding-scale-multiplier-softcap": Case(QWEN3, SCALED, 4, 40, "trained-9"),
+    "tap-of-the-last-target-layer": Case(QWEN3, LAST_LAYER_TAP, 4, 30, "random-6", accepts=False),
+    "is-causal-true-makes-full-layers-causal": Case(QWEN3, CAUSAL, 4, 48, "trained-6"),
+    "is-causal-false-sliding-window-is-two-sided": Case(QWEN3, NON_CAUSAL, 4, 48, "trained-6"),
+}
+
+# Differences from dflash 0.1.0 found by this file and reported; each stays a strict xfail until resolved.
+KNOWN_DIVERGENCES = {
+    "tap-of-the-last-target-layer": (
+        "tap id N-1: the reference reads output_hidden_states[N], which transformers returns final-normed "
+        "(dflash/model.py:42); ours taps the raw layer output as dflash.md §2.3 specifies"),
+    "is-causal-true-makes-full-layers-causal": (
+        "top-level is_causal=true makes every reference layer causal (dflash/model.py:365-366, 397-405); our "
+        "full-attention layers are never masked (draft_head.py DraftAttention.forward, draft_checkpoint.py "
+        "sliding_causal)"),
+    "is-causal-false-sliding-window-is-two-sided": (
+        "non-causal sliding layers: the reference also requires key - query < sliding_window "
+        "(dflash/model.py:169-170); our sliding_mask only bounds query - key"),
+}
+
+
+def case_params() -> list:
+    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_DIVERGENCES[name]))
+            if name in KNOWN_DIVERGENCES else name for name in CASES]
+
+
+def prompt_ids(case: Case) -> list[int]:
+    kind, seed, *length = case.prompt.split("-")
+    if kind == "trained":
+        return training_prompts(case.draft.seed, case.draft.distill_prompts)[int(seed)]
+    count = int(length[0]) if length else 10
+    return torch.randint(0, PROMPT_VOCAB, (count,), generator=torch.Generator().manual_seed(int(seed))).tolist()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_timer():
+    """dflash 0.1.0 times itself with ``torch.cuda.synchronize()``; on CPU use a plain clock (§1)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dflash_model, "_cuda_time", time.perf_counter)
+        yield
+
+
+class Reference:
+    """The official loop on reference-loaded models, recording each cycle's draft proposals."""
+
+    def __init__(self, target_dir, draft_dir) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, attn_implementation="sdpa",
+                                                           dtype=torch.float32).eval()
+        architecture = AutoConfig.from_pretrained(draft_dir).architectures[0]
+        assert architecture == "DFlashDraftModel"
+        self.draft = dflash_model.DFlashDraftModel.from_pretrained(draft_dir, attn_implementation="sdpa",
+                                                                   dtype=torch.float32).eval()
+        self.logits: list[torch.Tensor] = []
+        compute_logits = self.draft.compute_logits
+
+        def recording(hidden, head):
+            logits = compute_logits(hidden, head)  # [1, B-1, V]: block slots 1..B-1
+            self.logits.append(logits[0].clone())
+            return logits
+
+        self.draft.compute_logits = recording
+
+    def generate(self, prompt: list[int], max_new_tokens: int, block_len: int, stop: list[int] | None):
+        self.logits = []
+        out = dflash_model.dflash_generate(self.draft, self.target, torch.tensor([prompt]), max_new_tokens, stop,
+                                           block_size=block_len, return_stats=True)
+        return out.output_ids[0, len(prompt):].tolist(), list(out.acceptance_lengths), self.logits
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache: dict = {}
+
+    def get(zoo: Zoo, target: TargetSpec, draft: DraftSpec) -> Reference:
+        key = (target, draft)
+        if key not in cache:
+            cache[key] = Reference(zoo.target(target), zoo.drafter(target, draft))
+        return cache[key]
+
+    return get
+
+
+def ours(zoo: Zoo, case: Case, prompt: list[int], stop: tuple[int, ...], monkeypatch, block_len: int | None = None):
+    """Our greedy run over the same pair: (new ids, acceptance lengths, per-cycle draft logits)."""
+    session = zoo.session(case.target, case.draft)
+    draft_logits: list[torch.Tensor] = []
+    draft = session.backend.draft
+
+    def recording(block, taps, start):
+        logits = draft(block, taps, start)  # [Bc-1, V]: block slots 1..Bc-1
+        draft_logits.append(logits.clone())
+        return logits
+
+    monkeypatch.setattr(session.backend, "draft", recording)
+    params = SamplingParams(max_new_tokens=case.max_new_tokens, block_len=block_len or case.block_len,
+                            stop_token_ids=stop)
+    result = session.generate(prompt, params)
+    return result.token_ids, result.stats.acceptance_lengths, draft_logits
+
+
+def proposals(cycles: list[torch.Tensor]) -> list[list[int]]:
+    """Per-cycle draft proposals: the argmax of each block slot 1..B-1."""
+    return [logits.argmax(-1).tolist() for logits in cycles]
+
+
+@pytest.mark.parametrize("name", case_params())
+def test_greedy_ids_acceptance_and_proposals_equal_the_reference(name, zoo, references, monkeypatch):
+    case = CASES[name]
+    reference = references(zoo, case.target, case.draft)
+    prompt = prompt_ids(case)
+    plain, plain_lengths, _ = reference.generate(prompt, case.max_new_tokens, 1, None)
+    assert plain_lengths == [1] * (len(plain) - 1)
+    stop = () if case.stop_at is None else (plain[case.stop_at],)
+
+    ref_ids, ref_lengths, ref_logits = reference.generate(prompt, case.max_new_tokens, case.block_len,
+                                                          list(stop) or None)
+    our_ids, our_lengths, our_logits = ours(zoo, case, prompt, stop, monkeypatch)
+
+    assert our_ids == ref_ids
+    assert our_lengths == ref_lengths
+    assert proposals(our_logits) == proposals(ref_logits)
+    for cycle, (mine, theirs) in enumerate(zip(our_logits, ref_logits)):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=ATOL, msg=lambda m: f"cycle {cycle}: {m}")
+    # lossless on both sides: the target's own greedy tokens, cut after the first stop token
+    expected = plain[:plain.index(stop[0]) + 1] if stop else plain
+    assert ref_ids == expected
+    assert 1 + sum(our_lengths) == len(our_ids)
+    # each case exercises what its name says
+    if case.accepts:
+        assert max(our_lengths) > 1, "a distilled drafter on its training prompt should accept some drafts"
+    if stop:
+        assert our_ids[-1] == stop[0] and len(our_ids) < case.max_new_tokens
+    if "shrink" in name:
+        assert our_logits[-1].shape[0] < case.block_len - 1, "the last block should be shorter than block_len"
+
+
+@pytest.mark.parametrize("name", ["distilled-trained-block", "llama-target"])
+def test_plain_decoding_equals_the_reference_block_size_one_baseline(name, zoo, references, monkeypatch):
+    case = CASES[name]
+    reference = references(zoo, case.target, case.draft)
+    prompt = prompt_ids(case)
+    ref_ids, ref_lengths, ref_logits = reference.generate(prompt, case.max_new_tokens, 1, None)
+    our_ids, our_lengths, our_logits = ours(zoo, case, prompt, (), monkeypatch, block_len=1)
+    assert our_ids == ref_ids
+    assert our_lengths == ref_lengths == [1] * (case.max_new_tokens - 1)
+    assert our_logits == ref_logits == []
