@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from dflash_trt.config import DraftConfig
 from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+from dflash_trt.runtime.batch import DraftLayout
 from dflash_trt.runtime.kv_cache import StaticKVCache
 
 
@@ -50,8 +51,9 @@ class DraftAttention(nn.Module):
         v = self.v_proj(rows).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k.transpose(1, 2), cos, sin), v
 
-    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                cache: StaticKVCache, layer: int, ctx_start: int) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, masks: dict[bool, Tensor | None],
+                cache: StaticKVCache, layer: int, ctx_start: int | DraftLayout,
+                positions: Tensor | None = None) -> Tensor:
         """Shapes: x ``[B, T, H]`` (normed block), ctx ``[B, c, H]``, cos/sin ``[B, 1, c+T, d]``.
 
         Keys/values of ``[ctx ; x]`` (context rows first) are written at positions
@@ -61,8 +63,8 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(batch, tokens, self.num_heads, self.head_dim))
         q = apply_rope(q.transpose(1, 2), cos[:, :, -tokens:], sin[:, :, -tokens:])
         k, v = self.project_kv(torch.cat([ctx, x], dim=1), cos, sin)
-        keys, values = cache.write(layer, ctx_start, k, v)
-        return self.o_proj(attend(q, keys, values, mask if self.sliding else None))
+        keys, values = cache.write(layer, ctx_start, k, v, positions)
+        return self.o_proj(attend(q, keys, values, masks[self.sliding]))
 
 
 class DraftLayer(nn.Module):
@@ -73,10 +75,10 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                cache: StaticKVCache, layer: int, ctx_start: int) -> Tensor:
+    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, masks: dict[bool, Tensor | None],
+                cache: StaticKVCache, layer: int, ctx_start: int | DraftLayout, positions: Tensor | None) -> Tensor:
         # the context is not passed through input_layernorm (dflash.md §2.4 step 1)
-        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, mask, cache, layer, ctx_start)
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, masks, cache, layer, ctx_start, positions)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -98,26 +100,53 @@ class DraftHead(nn.Module):
         return StaticKVCache(cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim, weight.dtype,
                              weight.device)
 
-    def forward(self, block_embeds: Tensor, taps: Tensor, start: int, cache: StaticKVCache) -> Tensor:
+    def forward(self, block_embeds: Tensor, taps: Tensor, start: int | DraftLayout, cache: StaticKVCache) -> Tensor:
         """One draft call (dflash.md §2.9). Context rows sit at ``start-c .. start-1``, the block at ``start ..``.
 
         Shapes: block_embeds ``[B, T, H]`` (anchor + masks, already scaled), taps ``[B, c, L*H]``
         -> normed hidden of block slots 1..T-1, ``[B, T-1, H]``. The cache grows to ``start+T``
         rows; the caller crops it back to ``start`` (block K/V never survive a cycle).
+        With a ``DraftLayout`` rows sit at their own positions and slots (context right-aligned).
         """
         batch, tokens, _ = block_embeds.shape
-        ctx_len = taps.shape[1]
-        ctx_start = start - ctx_len
-        cache.check_write(ctx_start, ctx_len + tokens, batch)
         ctx = self.hidden_norm(self.fc(taps))
-        positions = torch.arange(ctx_start, start + tokens, device=taps.device).expand(batch, -1)
+        write_positions = None
+        if isinstance(start, int):
+            ctx_len = taps.shape[1]
+            where: int | DraftLayout = start - ctx_len
+            cache.check_write(where, ctx_len + tokens, batch)
+            positions = torch.arange(where, start + tokens, device=taps.device).expand(batch, -1)
+            masks = {False: None, True: self.sliding_mask(start, tokens, block_embeds.device)}
+        else:
+            where = start
+            cache.check_rows(start.slots, tuple(s - c for s, c in zip(start.starts, start.context_lens)),
+                             tuple(s + n for s, n in zip(start.starts, start.block_lens)))
+            positions = write_positions = start.positions(cache.pad_position).to(taps.device)
+            masks = self.layout_masks(start, positions[:, -tokens:])
         cos, sin = self.rotary.lookup(positions, block_embeds.dtype)
-        mask = self.sliding_mask(start, tokens, block_embeds.device)
         h = block_embeds
         for index, layer in enumerate(self.layers):
-            h = layer(h, ctx, cos, sin, mask, cache, index, ctx_start)
-        cache.commit(start + tokens, batch)
+            h = layer(h, ctx, cos, sin, masks, cache, index, where, write_positions)
+        if isinstance(start, int):
+            cache.commit(start + tokens, batch)
+        else:
+            cache.commit_rows(start.slots, tuple(s + n for s, n in zip(start.starts, start.block_lens)))
         return self.norm(h[:, 1:])
+
+    def layout_masks(self, layout: DraftLayout, queries: Tensor) -> dict[bool, Tensor]:
+        """Masks ``[B, 1, T, key_len]`` of a batched call: full layers see keys ``< start + Bc`` of their row;
+        sliding layers add causality and the window. Padding queries see every key (finite, unused)."""
+        cfg = self.config
+        keys = torch.arange(layout.key_len, device=queries.device).view(1, 1, -1)
+        padding = (queries >= layout.key_limits().to(queries.device).view(-1, 1)).unsqueeze(-1)
+        full = keys < layout.key_limits().to(queries.device).view(-1, 1, 1)
+        masks = {False: (full | padding).unsqueeze(1)}
+        if any(cfg.layer_sliding):
+            sliding = full & ((queries.unsqueeze(-1) - keys) < cfg.sliding_window)
+            if cfg.sliding_causal:
+                sliding = sliding & (keys <= queries.unsqueeze(-1))
+            masks[True] = (sliding | padding).unsqueeze(1)
+        return masks
 
     def sliding_mask(self, start: int, tokens: int, device: torch.device) -> Tensor | None:
         """Mask of sliding layers, queries aligned to the end of the keys: ``key <= query`` (unless the

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from dflash_trt.config import TargetConfig
 from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+from dflash_trt.runtime.batch import TargetLayout
 from dflash_trt.runtime.kv_cache import StaticKVCache
 
 
@@ -29,9 +30,8 @@ class TargetAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, layer: int, start: int, mask: Tensor | None
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, layer: int,
+                start: int | TargetLayout, mask: Tensor | None, positions: Tensor | None = None) -> Tensor:
         """Shapes: x ``[B, T, H]``; cos/sin ``[B, 1, T, d]``; mask ``[B, 1, T, start+T]``. Returns ``[B, T, H]``."""
         batch, tokens, _ = x.shape
         q = self.q_proj(x).view(batch, tokens, self.num_heads, self.head_dim)
@@ -41,7 +41,7 @@ class TargetAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        keys, values = cache.write(layer, start, k, v.transpose(1, 2))
+        keys, values = cache.write(layer, start, k, v.transpose(1, 2), positions)
         return self.o_proj(attend(q, keys, values, mask))
 
 
@@ -53,9 +53,9 @@ class TargetLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, layer: int, start: int,
-                mask: Tensor | None) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, mask)
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, layer: int,
+                start: int | TargetLayout, mask: Tensor | None, positions: Tensor | None) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, mask, positions)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -82,28 +82,41 @@ class TargetModel(nn.Module):
     def forward(
         self,
         tokens: Tensor,
-        start: int,
+        start: int | TargetLayout,
         cache: StaticKVCache,
         tap_ids: tuple[int, ...] = (),
         last_only: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Run ``tokens`` at positions ``start .. start+T-1`` and append their K/V to ``cache``.
 
+        ``start`` is an int for rows that share positions (cache slots ``0..B-1``), or a
+        ``TargetLayout`` for requests at different positions in any slots (padding -> pad position).
         Shapes: tokens ``[B, T]`` -> logits ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``) and
         taps ``[B, T, L*H]`` (the outputs of decoder layers ``tap_ids``, concatenated in order) or None.
         """
         batch, tokens_len = tokens.shape
-        cache.check_write(start, tokens_len, batch)
-        positions = torch.arange(start, start + tokens_len, device=tokens.device).expand(batch, tokens_len)
+        write_positions = None
+        if isinstance(start, int):
+            cache.check_write(start, tokens_len, batch)
+            positions = torch.arange(start, start + tokens_len, device=tokens.device).expand(batch, tokens_len)
+            mask = causal_mask(start, tokens_len, tokens.device)
+        else:
+            cache.check_rows(start.slots, start.starts, [s + n for s, n in zip(start.starts, start.lengths)])
+            positions = write_positions = start.positions(cache.pad_position).to(tokens.device)
+            # a query at position p sees keys 0..p; padding queries (pad position) see everything
+            keys = torch.arange(start.key_len, device=tokens.device)
+            mask = (keys.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
         h = self.embed_tokens(tokens)
         cos, sin = self.rotary.lookup(positions, h.dtype)
-        mask = causal_mask(start, tokens_len, tokens.device)
         taps: dict[int, Tensor] = {}
         for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, index, start, mask)
+            h = layer(h, cos, sin, cache, index, start, mask, write_positions)
             if index in tap_ids:
                 taps[index] = h
-        cache.commit(start + tokens_len, batch)
+        if isinstance(start, int):
+            cache.commit(start + tokens_len, batch)
+        else:
+            cache.commit_rows(start.slots, tuple(s + n for s, n in zip(start.starts, start.lengths)))
         if last_only:
             h = h[:, -1:]
         logits = self.lm_head(self.norm(h))

@@ -14,13 +14,13 @@ from typing import Callable
 from dflash_trt.errors import BackendUnavailableError
 
 
-def _torch_backend(pair, max_seq_len, engine=None):
+def _torch_backend(pair, max_seq_len, engine=None, max_batch=1):
     from dflash_trt.plugins.torch_ref.backend import TorchBackend
 
-    return TorchBackend(pair, max_seq_len)
+    return TorchBackend(pair, max_seq_len, max_batch)
 
 
-def _onnxruntime_backend(pair, max_seq_len, engine=None):
+def _onnxruntime_backend(pair, max_seq_len, engine=None, max_batch=1):
     if engine is None:
         raise BackendUnavailableError("backend 'onnxruntime' runs the ONNX graphs of an engine folder; got "
                                       "checkpoints. Fix: `dflash-trt build --backend onnxruntime --out engines/NAME`, "
@@ -32,7 +32,7 @@ def _onnxruntime_backend(pair, max_seq_len, engine=None):
                       engine.manifest.quantization.mode)
 
 
-def _tensorrt_backend(pair, max_seq_len, engine=None):
+def _tensorrt_backend(pair, max_seq_len, engine=None, max_batch=1):
     if engine is None:
         raise BackendUnavailableError("backend 'tensorrt' runs the TensorRT plans of an engine folder; got "
                                       "checkpoints. Fix: `dflash-trt build --backend tensorrt --out engines/NAME` on a "
@@ -54,11 +54,11 @@ def available_backends() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def create_backend(name: str, pair, max_seq_len: int, engine=None):
+def create_backend(name: str, pair, max_seq_len: int, engine=None, max_batch: int = 1):
     """Instantiate backend ``name``; ``auto`` without an engine folder is ``torch``."""
     if name == "auto":
         name = "torch"
     if name not in _FACTORIES:
         raise BackendUnavailableError(f"backend is {name!r}; expected one of {available_backends()} or 'auto'. "
                                       "Fix: pass --backend torch.")
-    return _FACTORIES[name](pair, max_seq_len, engine)
+    return _FACTORIES[name](pair, max_seq_len, engine, max_batch)

@@ -11,9 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dflash_trt.runtime.batch import DraftLayout, TargetLayout
+
 
 class StaticKVCache:
-    """Per-layer K/V buffers ``[layers, batch, nkv, max_len, d]`` plus committed lengths per batch row."""
+    """Per-layer K/V buffers ``[layers, batch, nkv, max_len + 1, d]`` plus committed lengths per slot.
+
+    Position ``max_len`` (``pad_position``) is scratch: padding rows of a batched forward write there.
+    """
 
     def __init__(
         self,
@@ -25,18 +30,32 @@ class StaticKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_layers, max_batch, num_kv_heads, max_len, head_dim)
+        shape = (num_layers, max_batch, num_kv_heads, max_len + 1, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+        self.pad_position = max_len
         self.lengths = [0] * max_batch
 
-    def write(self, layer: int, start: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """Store new rows at positions ``start .. start+T-1`` for batch row 0..B-1 and return the live prefix.
+    def write(self, layer: int, start: int | TargetLayout | DraftLayout, keys: Tensor, values: Tensor,
+              positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Store new rows and return the keys/values every row of this forward may read.
 
-        Shapes: keys/values ``[B, nkv, T, d]`` -> cached keys/values ``[B, nkv, start+T, d]``.
-        The caller advances ``lengths`` once per forward with :meth:`commit`, not per layer.
+        ``start`` int: rows ``0..B-1`` write positions ``start .. start+T-1`` (the batch-1 fast path) and
+        get ``[B, nkv, start+T, d]``. A layout: row ``b`` writes ``positions[b]`` of slot ``slots[b]`` and
+        gets ``[B, nkv, key_len, d]`` (the caller masks what a row may not see).
+        Shapes: keys/values ``[B, nkv, T, d]``. Lengths advance once per forward (:meth:`commit`).
         """
+        if not isinstance(start, int):
+            slots = torch.tensor(start.slots)
+            # advanced indices [B,1] and [B,T] around a slice: the indexed view is [B, T, nkv, d]
+            self.keys[layer][slots.unsqueeze(1), :, positions] = keys.transpose(1, 2)
+            self.values[layer][slots.unsqueeze(1), :, positions] = values.transpose(1, 2)
+            if list(start.slots) == list(range(len(start.slots))):
+                batch = len(start.slots)
+                return self.keys[layer, :batch, :, :start.key_len], self.values[layer, :batch, :, :start.key_len]
+            return (self.keys[layer].index_select(0, slots)[:, :, :start.key_len],
+                    self.values[layer].index_select(0, slots)[:, :, :start.key_len])
         batch, tokens = keys.shape[0], keys.shape[2]
         end = start + tokens
         self.keys[layer, :batch, :, start:end] = keys
@@ -48,6 +67,23 @@ class StaticKVCache:
         for row in range(batch):
             assert start <= self.lengths[row], f"cache gap: write at {start}, committed {self.lengths[row]}"
         assert start + tokens <= self.max_len, f"cache overflow: {start}+{tokens} > {self.max_len}"
+
+    def check_rows(self, slots: tuple[int, ...], starts: tuple[int, ...], ends: tuple[int, ...]) -> None:
+        """Internal invariant of a batched write: each slot's write starts within its committed rows."""
+        for slot, begin, end in zip(slots, starts, ends):
+            assert begin <= self.lengths[slot], f"cache gap: slot {slot} write at {begin}, committed {self.lengths[slot]}"
+            assert end <= self.max_len, f"cache overflow: slot {slot} {end} > {self.max_len}"
+
+    def commit_rows(self, slots: tuple[int, ...], ends: tuple[int, ...]) -> None:
+        for slot, end in zip(slots, ends):
+            self.lengths[slot] = end
+
+    def crop_slot(self, slot: int, length: int) -> None:
+        """Discard rows ``>= length`` of one slot."""
+        self.lengths[slot] = min(self.lengths[slot], length)
+
+    def reset_slot(self, slot: int) -> None:
+        self.lengths[slot] = 0
 
     def commit(self, end: int, batch: int = 1) -> None:
         """Mark rows ``< end`` as written for batch rows ``0..batch-1``."""

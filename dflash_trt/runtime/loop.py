@@ -1,8 +1,10 @@
-"""The draft-verify loop for one request (dflash.md §3.2; parity target: ``dflash_generate`` 0.1.0).
+"""The draft-verify loop of one request (dflash.md §3.2; parity target: ``dflash_generate`` 0.1.0).
 
-``block_len == 1`` runs no drafter: it is plain autoregressive decoding through the same code,
-so a speed-up measured against it cannot come from harness differences. The loop yields one
-``Cycle`` per target forward; timing and stats belong to the caller (style R11).
+``RequestState`` holds one request's state and performs each step of a cycle; the scheduler runs
+the forwards of many requests together, and :func:`decode` runs one request alone. A cycle with
+``draft_len == 0`` runs no drafter: plain autoregressive decoding through the same code, so a
+speed-up measured against it cannot come from harness differences. Timing and stats belong to
+the caller (style R11).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from torch import Tensor
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.runtime.backend import Backend
+from dflash_trt.runtime.backend import BatchedBackend, DraftRow, TargetRow
 from dflash_trt.runtime.sampling import draw, sampling_probs
 from dflash_trt.runtime.verify import Verdict, accept_greedy, accept_onehot, accept_rejection
 
@@ -27,61 +30,111 @@ class Cycle:
     accepted: int
     prefill: bool = False
     stopped: bool = False
+    finished: bool = False  # the request is complete after this cycle (stop token or length)
 
 
-def decode(backend: Backend, prompt_ids: list[int], params: SamplingParams, block_len: int,
-           stop_ids: frozenset[int], generator: torch.Generator) -> Iterator[Cycle]:
-    """Generate up to ``params.max_new_tokens`` tokens after ``prompt_ids``, yielding each cycle's tokens."""
-    greedy = params.temperature <= 0
-    drafting = block_len > 1
-    mask_token_id = backend.draft_config.mask_token_id if drafting else 0
-    max_length = len(prompt_ids) + params.max_new_tokens
-    backend.reset()
+class RequestState:
+    """One request between forwards: committed tokens, the anchor, and context taps not yet drafted on.
 
-    def probs(logits: torch.Tensor) -> torch.Tensor:
-        return sampling_probs(logits, params.temperature, params.top_p, params.top_k)
+    ``start`` is the position of the anchor (the last committed token, not yet in the target cache).
+    ``pending`` holds taps ``[c, L*H]`` of committed positions ``start-c .. start-1`` that the draft
+    cache has not seen; cycles that skip drafting let it grow, and the next draft call injects it all.
+    """
 
-    # prefill: logits of the last prompt row, taps of every prompt row (the first draft context)
-    logits, context = backend.target(torch.tensor([prompt_ids]), 0, drafting, last_only=True)
-    anchor = int(logits[-1].argmax()) if greedy else int(draw(probs(logits[-1:]), generator)[0])
-    stopped = anchor in stop_ids
-    yield Cycle([anchor], drafted=0, accepted=0, prefill=True, stopped=stopped)
-    start = len(prompt_ids)
-    while not stopped and start + 1 < max_length:
-        block_size = min(block_len, max_length - start)  # the block shrinks at the end (parity)
-        drafts = torch.empty(0, dtype=torch.long)
-        draft_probs = None
-        if block_size > 1:
-            block = torch.tensor([[anchor] + [mask_token_id] * (block_size - 1)])
-            draft_logits = backend.draft(block, context, start)  # [Bc-1, V]
-            if greedy or params.proposal == "greedy":
-                drafts = draft_logits.argmax(-1)
-            else:
-                draft_probs = probs(draft_logits)
-                drafts = draw(draft_probs, generator)
-        block = torch.cat([torch.tensor([anchor]), drafts]).unsqueeze(0)
-        target_logits, hidden = backend.target(block, start, drafting)  # row k predicts start+k+1
-        verdict = _verify(drafts, target_logits, draft_probs, params, generator)
-        new_tokens = drafts[:verdict.accepted].tolist() + [verdict.bonus]  # host-sync: committed ids
-        new_tokens = new_tokens[:max_length - start - 1]
+    def __init__(self, slot: int, prompt_ids: list[int], params: SamplingParams, block_len: int,
+                 stop_ids: frozenset[int], mask_token_id: int, generator: torch.Generator) -> None:
+        self.slot, self.prompt_ids, self.params = slot, prompt_ids, params
+        self.block_len, self.stop_ids, self.mask_token_id, self.generator = block_len, stop_ids, mask_token_id, generator
+        self.greedy = params.temperature <= 0
+        self.max_length = len(prompt_ids) + params.max_new_tokens
+        self.start = len(prompt_ids)
+        self.anchor = -1
+        self.pending: list[Tensor] = []
+        self.drafts: Tensor = torch.empty(0, dtype=torch.long)
+        self.draft_probs: Tensor | None = None
+        self.finished = False
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.block_len > 1
+
+    def probs(self, logits: Tensor) -> Tensor:
+        return sampling_probs(logits, self.params.temperature, self.params.top_p, self.params.top_k)
+
+    def prefill_row(self) -> TargetRow:
+        return TargetRow(self.slot, self.prompt_ids, 0, last_only=True)
+
+    def finish_prefill(self, logits: Tensor, taps: Tensor | None) -> Cycle:
+        """First token from the last prompt row; the taps of every prompt row are the first draft context."""
+        last = logits[-1]
+        self.anchor = int(last.argmax()) if self.greedy else int(draw(self.probs(last.unsqueeze(0)),
+                                                                      self.generator)[0])
+        self.pending = [taps] if taps is not None else []
+        self.finished = self.anchor in self.stop_ids or self.start + 1 >= self.max_length
+        return Cycle([self.anchor], drafted=0, accepted=0, prefill=True, stopped=self.anchor in self.stop_ids,
+                     finished=self.finished)
+
+    def draft_row(self, draft_len: int) -> DraftRow | None:
+        """The next draft call, or None when this cycle drafts nothing (``draft_len`` 0 or no room left)."""
+        block_size = min(draft_len + 1, self.max_length - self.start)  # the block shrinks at the end (parity)
+        self.drafts, self.draft_probs = torch.empty(0, dtype=torch.long), None
+        if block_size <= 1:
+            return None
+        taps = torch.cat(self.pending) if len(self.pending) != 1 else self.pending[0]
+        return DraftRow(self.slot, [self.anchor] + [self.mask_token_id] * (block_size - 1), taps, self.start)
+
+    def take_drafts(self, draft_logits: Tensor) -> None:
+        """Proposals from draft logits ``[Bc-1, V]``: argmax, or one draw per slot in the sampled mode."""
+        self.pending = []  # the draft call injected them
+        if self.greedy or self.params.proposal == "greedy":
+            self.drafts = draft_logits.argmax(-1)
+        else:
+            self.draft_probs = self.probs(draft_logits)
+            self.drafts = draw(self.draft_probs, self.generator)
+
+    def verify_row(self) -> TargetRow:
+        return TargetRow(self.slot, [self.anchor] + self.drafts.tolist(), self.start)
+
+    def finish_verify(self, logits: Tensor, taps: Tensor | None) -> Cycle:
+        """Accept, commit the accepted drafts and the bonus, cut at a stop token. Logits ``[K+1, V]``."""
+        verdict = self._verify(logits)
+        new_tokens = self.drafts[:verdict.accepted].tolist() + [verdict.bonus]  # host-sync: committed ids
+        new_tokens = new_tokens[:self.max_length - self.start - 1]
+        stopped = False
         for index, token in enumerate(new_tokens):
-            if token in stop_ids:  # cut at the first stop token, which is kept
+            if token in self.stop_ids:  # cut at the first stop token, which is kept
                 new_tokens, stopped = new_tokens[:index + 1], True
                 break
         produced = len(new_tokens)
-        start += produced
+        if taps is not None and self.uses_drafter:
+            self.pending.append(taps[:produced])  # the anchor plus the accepted drafts
+        self.start += produced
+        self.anchor = new_tokens[-1]
+        self.finished = stopped or self.start + 1 >= self.max_length
+        return Cycle(new_tokens, drafted=len(self.drafts), accepted=verdict.accepted, stopped=stopped,
+                     finished=self.finished)
+
+    def _verify(self, logits: Tensor) -> Verdict:
+        if self.greedy:
+            return accept_greedy(self.drafts, logits)
+        target_probs = self.probs(logits)
+        if self.draft_probs is None:
+            return accept_onehot(self.drafts, target_probs, self.generator)
+        return accept_rejection(self.drafts, self.draft_probs, target_probs, self.generator)
+
+
+def decode(backend: BatchedBackend, state: RequestState) -> Iterator[Cycle]:
+    """Run one request alone, cycle by cycle, with a fixed draft length of ``block_len - 1``."""
+    backend.reset_slot(state.slot)
+    ((logits, taps),) = backend.target_batch([state.prefill_row()], state.uses_drafter)
+    yield state.finish_prefill(logits, taps)
+    while not state.finished:
+        row = state.draft_row(state.block_len - 1)
+        if row is not None:
+            (draft_logits,) = backend.draft_batch([row])
+            state.take_drafts(draft_logits)
+        ((logits, taps),) = backend.target_batch([state.verify_row()], state.uses_drafter)
+        cycle = state.finish_verify(logits, taps)
         # crop to start: the bonus is not in the cache; it is verified as slot 0 of the next block
-        backend.crop_target(start)
-        context = hidden[:produced] if drafting else None
-        anchor = new_tokens[-1]
-        yield Cycle(new_tokens, drafted=block_size - 1, accepted=verdict.accepted, stopped=stopped)
-
-
-def _verify(drafts: torch.Tensor, target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
-            params: SamplingParams, generator: torch.Generator) -> Verdict:
-    if params.temperature <= 0:
-        return accept_greedy(drafts, target_logits)
-    target_probs = sampling_probs(target_logits, params.temperature, params.top_p, params.top_k)
-    if draft_probs is None:
-        return accept_onehot(drafts, target_probs, generator)
-    return accept_rejection(drafts, draft_probs, target_probs, generator)
+        backend.crop_target_slot(state.slot, state.start)
+        yield cycle

@@ -7,6 +7,7 @@ Timing (TTFT, TPOT) is measured around the loop, never inside it.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,11 +20,16 @@ from dflash_trt.builder.load import ModelPair, load_pair
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import RequestError
 from dflash_trt.plugins.registry import create_backend
-from dflash_trt.runtime.loop import decode
+from dflash_trt.runtime.backend import as_batched
+from dflash_trt.runtime.calibration import calibrate
+from dflash_trt.runtime.costs import CostModel
+from dflash_trt.runtime.loop import Cycle, RequestState
+from dflash_trt.runtime.policy import SpeculationConfig
+from dflash_trt.runtime.scheduler import Scheduler
 from dflash_trt.runtime.stats import SpecStats
 from dflash_trt.tokenizer import Tokenizer
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 @dataclass(frozen=True)
@@ -56,30 +62,41 @@ class GenerationResult:
 
 
 class Session:
-    """A loaded pair plus its backend and static caches. Thread-safe: requests run one at a time."""
+    """A loaded pair, its backend and static caches, and a worker that batches concurrent requests.
+
+    Thread-safe: ``submit``/``generate``/``stream`` from any thread (or ``agenerate``/``astream`` from
+    asyncio); up to ``max_batch`` requests share each forward, the rest wait in a queue.
+    """
 
     def __init__(self, pair: ModelPair, *, backend: str = "torch", max_seq_len: int | None = None,
-                 engine=None) -> None:
+                 engine=None, max_batch: int = 1, speculation: SpeculationConfig | None = None) -> None:
         limit = pair.target.config.max_position_embeddings
         self.max_seq_len = max_seq_len or min(limit, 8192)
         if self.max_seq_len > limit:
             raise RequestError(f"max_seq_len is {self.max_seq_len}; expected <= the target's "
                                f"max_position_embeddings {limit}. Fix: pass a smaller --max-seq-len.")
         self.pair = pair
-        self.backend = create_backend(backend, pair, self.max_seq_len, engine)
+        self.speculation = speculation or SpeculationConfig()
+        self.backend = create_backend(backend, pair, self.max_seq_len, engine, max_batch)
         self.tokenizer: Tokenizer | None = pair.tokenizer
-        self._lock = threading.Lock()
+        self.costs = CostModel()
+        batched = as_batched(self.backend)
+        if self.speculation.mode == "auto":
+            calibrate(batched, self.costs, pair.draft is not None, self.default_block_len)
+        self._scheduler = Scheduler(batched, self.speculation, self.costs)
 
     @classmethod
     def from_checkpoints(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
                          dtype: str = "float32", backend: str = "torch", use_draft: bool = True,
-                         max_seq_len: int | None = None) -> Session:
+                         max_seq_len: int | None = None, max_batch: int = 1,
+                         speculation: SpeculationConfig | None = None) -> Session:
         """Load checkpoints (``None`` = the embedded stories260K pair) and build a session."""
         return cls(load_pair(target, draft, dtype=dtype, use_draft=use_draft), backend=backend,
-                   max_seq_len=max_seq_len)
+                   max_seq_len=max_seq_len, max_batch=max_batch, speculation=speculation)
 
     @classmethod
-    def load(cls, engine_dir: str | Path, backend: str = "auto", *, max_seq_len: int | None = None) -> Session:
+    def load(cls, engine_dir: str | Path, backend: str = "auto", *, max_seq_len: int | None = None,
+             max_batch: int = 1, speculation: SpeculationConfig | None = None) -> Session:
         """Open an engine folder written by ``dflash-trt build`` (verified: format version, sha256 of every
         artefact, device, TensorRT version, plugin ABI). ``auto`` = the fastest backend it holds that runs here."""
         from dflash_trt.runtime.engine_loader import load_engine
@@ -88,7 +105,8 @@ class Session:
         if max_seq_len is not None and max_seq_len > engine.max_seq_len:
             raise RequestError(f"max_seq_len is {max_seq_len}; expected <= {engine.max_seq_len}, the engine's "
                                f"build limit. Fix: rebuild with --max-seq-len {max_seq_len}.")
-        return cls(engine.pair, backend=engine.backend, max_seq_len=max_seq_len or engine.max_seq_len, engine=engine)
+        return cls(engine.pair, backend=engine.backend, max_seq_len=max_seq_len or engine.max_seq_len, engine=engine,
+                   max_batch=max_batch, speculation=speculation)
 
     @property
     def default_block_len(self) -> int:
@@ -126,43 +144,128 @@ class Session:
                                "(--draft DIR) or pass block_len=1 / --no-draft.")
         return block_len
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               stats: SpecStats | None = None) -> Iterator[StreamChunk]:
-        """Yield each cycle's committed tokens as they are verified. Fills ``stats`` when given."""
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestHandle:
+        """Queue a request (thread-safe) and return its handle at once: iterate it for ``StreamChunk`` s,
+        ``result()`` for the ``GenerationResult``, ``cancel()`` to stop it. Invalid requests raise here."""
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt)
         block_len = self._validate(prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids if params.stop_token_ids is not None
                              else self.pair.target.config.eos_token_ids)
-        generator = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-        stats = stats if stats is not None else SpecStats()
-        stats.num_prompt_tokens = len(prompt_ids)
-        generated: list[int] = []
-        text = ""
-        with self._lock:
-            began = time.perf_counter()
-            for cycle in decode(self.backend, prompt_ids, params, block_len, stop_ids, generator):
-                if cycle.prefill:
-                    stats.ttft_s = time.perf_counter() - began
-                else:
-                    stats.observe(cycle.drafted, cycle.accepted, len(cycle.tokens))
-                generated += cycle.tokens
-                stats.num_output_tokens = len(generated)
-                full = self.decode_text(generated, prompt_ids[-1])
-                delta, text = full[len(text):], full
-                done = cycle.stopped or len(generated) >= params.max_new_tokens
-                stats.e2e_s = time.perf_counter() - began
-                reason: FinishReason | None = ("stop" if cycle.stopped else "length") if done else None
-                yield StreamChunk(cycle.tokens, delta, done, reason)
+        mask_token_id = self.pair.draft.config.mask_token_id if self.pair.draft is not None else 0
+        seed = params.seed if params.seed is not None else 0
+        handle = RequestHandle(prompt_ids, params, self.decode_text)
+
+        def make_state(slot: int) -> RequestState:
+            return RequestState(slot, prompt_ids, params, block_len, stop_ids, mask_token_id,
+                                torch.Generator().manual_seed(seed))
+
+        self._scheduler.submit(make_state, handle._deliver, handle._cancelled)
+        return handle
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               stats: SpecStats | None = None) -> Iterator[StreamChunk]:
+        """Yield each cycle's committed tokens as they are verified. Fills ``stats`` when given."""
+        handle = self.submit(prompt, params)
+        if stats is not None:
+            handle.stats = stats
+            stats.num_prompt_tokens = len(handle.prompt_ids)
+        yield from handle
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
         """Run one request to completion. Greedy output equals plain decoding token for token."""
-        params = params or SamplingParams()
-        prompt_ids = self.encode(prompt)
-        stats = SpecStats()
-        token_ids: list[int] = []
-        reason: FinishReason = "length"
-        for chunk in self.stream(prompt_ids, params, stats):
-            token_ids += chunk.token_ids
-            reason = chunk.finish_reason or reason
-        return GenerationResult(prompt_ids, token_ids, self.decode_text(token_ids, prompt_ids[-1]), reason, stats)
+        return self.submit(prompt, params).result()
+
+    async def agenerate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
+        """``generate`` for asyncio code: the request runs in the session's worker, the event loop stays free."""
+        import asyncio
+
+        handle = self.submit(prompt, params)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, handle.result)
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+
+    async def astream(self, prompt: str | Sequence[int], params: SamplingParams | None = None):
+        """``stream`` for asyncio code (``async for chunk in session.astream(...)``)."""
+        import asyncio
+
+        handle = self.submit(prompt, params)
+        chunks = iter(handle)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                chunk = await loop.run_in_executor(None, next, chunks, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            if not handle.done():
+                handle.cancel()
+
+    def close(self) -> None:
+        """Stop the worker after the requests already submitted."""
+        self._scheduler.close()
+
+
+class RequestHandle:
+    """A submitted request. Iterate it for ``StreamChunk`` s (once), or call ``result()``; ``cancel()`` stops it.
+
+    Timing (TTFT, end-to-end) is taken when each cycle is handed over by the worker, outside the loop.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, decode_text) -> None:
+        self.prompt_ids, self.params, self._decode_text = prompt_ids, params, decode_text
+        self.stats = SpecStats(num_prompt_tokens=len(prompt_ids))
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self._consume = threading.Lock()
+        self._text = ""
+        self._submitted = time.perf_counter()
+
+    def _deliver(self, item: Cycle | BaseException | None) -> None:
+        self._events.put((time.perf_counter(), item))
+
+    def cancel(self) -> None:
+        """Stop generating; the handle then finishes with ``finish_reason == "cancelled"``."""
+        self._cancelled.set()
+
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        with self._consume:
+            while self.finish_reason is None:
+                arrived, item = self._events.get()
+                if isinstance(item, BaseException):
+                    self.finish_reason = "error"
+                    raise item
+                if item is None:
+                    self.finish_reason = "cancelled"
+                    yield StreamChunk([], "", True, "cancelled")
+                    return
+                yield self._chunk(arrived, item)
+
+    def _chunk(self, arrived: float, cycle: Cycle) -> StreamChunk:
+        stats = self.stats
+        if cycle.prefill:
+            stats.ttft_s = arrived - self._submitted
+        else:
+            stats.observe(cycle.drafted, cycle.accepted, len(cycle.tokens))
+        self.token_ids += cycle.tokens
+        stats.num_output_tokens = len(self.token_ids)
+        stats.e2e_s = arrived - self._submitted
+        full = self._decode_text(self.token_ids, self.prompt_ids[-1])
+        delta, self._text = full[len(self._text):], full
+        if cycle.finished:
+            self.finish_reason = "stop" if cycle.stopped else "length"
+        return StreamChunk(cycle.tokens, delta, cycle.finished, self.finish_reason)
+
+    def result(self) -> GenerationResult:
+        """Wait for the end of the request (consuming any chunks not yet iterated)."""
+        for _ in self:
+            pass
+        return GenerationResult(self.prompt_ids, self.token_ids, self._text, self.finish_reason, self.stats)

@@ -1,6 +1,8 @@
 """Torch reference backend: ``TargetModel`` + ``DraftHead`` with static caches allocated at setup.
 
 The drafter borrows the target's embedding (× ``input_embedding_scale``) and LM head (dflash.md §2.8).
+Rows of several requests share one forward (``target_batch``/``draft_batch``); a single request in
+slot 0 takes the batch-1 methods, so a request alone runs exactly as it always has.
 """
 
 from __future__ import annotations
@@ -11,27 +13,31 @@ from torch import Tensor
 
 from dflash_trt.builder.load import ModelPair
 from dflash_trt.config import DraftConfig, TargetConfig
+from dflash_trt.runtime.backend import DraftRow, TargetRow
+from dflash_trt.runtime.batch import DraftLayout, TargetLayout
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, pair: ModelPair, max_seq_len: int) -> None:
+    def __init__(self, pair: ModelPair, max_seq_len: int, max_batch: int = 1) -> None:
         self.target_model = pair.target
         self.draft_model = pair.draft
         self.target_config: TargetConfig = pair.target.config
         self.draft_config: DraftConfig | None = pair.draft.config if pair.draft is not None else None
         self.tap_ids = self.draft_config.target_layer_ids if self.draft_config else ()
-        self.target_cache = pair.target.new_cache(1, max_seq_len)
-        self.draft_cache = pair.draft.new_cache(1, max_seq_len) if pair.draft is not None else None
+        self.max_batch = max_batch
+        self.target_cache = pair.target.new_cache(max_batch, max_seq_len)
+        self.draft_cache = pair.draft.new_cache(max_batch, max_seq_len) if pair.draft is not None else None
+
+    # ----------------------------------------------------------------- batch-1 (slot 0)
 
     def reset(self) -> None:
-        self.target_cache.reset()
-        if self.draft_cache is not None:
-            self.draft_cache.reset()
+        self.reset_slot(0)
 
     @torch.inference_mode()
-    def target(self, tokens: Tensor, start: int, with_taps: bool, last_only: bool = False) -> tuple[Tensor, Tensor | None]:
+    def target(self, tokens: Tensor, start: int, with_taps: bool, last_only: bool = False
+               ) -> tuple[Tensor, Tensor | None]:
         logits, taps = self.target_model(tokens, start, self.target_cache, self.tap_ids if with_taps else (),
                                          last_only)
         return logits[0], (taps[0] if taps is not None else None)
@@ -39,9 +45,7 @@ class TorchBackend:
     @torch.inference_mode()
     def draft(self, block: Tensor, taps: Tensor, start: int) -> Tensor:
         assert self.draft_model is not None and self.draft_cache is not None, "draft() needs a drafter"
-        embed = self.target_model.embed_tokens.weight
-        block_embeds = F.embedding(block, embed) * self.draft_config.input_embedding_scale
-        hidden = self.draft_model(block_embeds, taps.unsqueeze(0), start, self.draft_cache)
+        hidden = self.draft_model(self._block_embeds(block), taps.unsqueeze(0), start, self.draft_cache)
         logits = self.draft_model.logits(hidden, self.target_model.lm_head.weight)
         # crop to start: block K/V never survive a cycle (dflash.md §3.5)
         self.draft_cache.crop(start)
@@ -49,3 +53,47 @@ class TorchBackend:
 
     def crop_target(self, length: int) -> None:
         self.target_cache.crop(length)
+
+    # ----------------------------------------------------------------- batched (any slots)
+
+    def reset_slot(self, slot: int) -> None:
+        self.target_cache.reset_slot(slot)
+        if self.draft_cache is not None:
+            self.draft_cache.reset_slot(slot)
+
+    def crop_target_slot(self, slot: int, length: int) -> None:
+        self.target_cache.crop_slot(slot, length)
+
+    @torch.inference_mode()
+    def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
+        if len(rows) == 1 and rows[0].slot == 0:
+            return [self.target(torch.tensor([rows[0].tokens]), rows[0].start, with_taps, rows[0].last_only)]
+        layout = TargetLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
+                              tuple(len(r.tokens) for r in rows))
+        tokens = torch.zeros(len(rows), layout.width, dtype=torch.long)
+        for index, row in enumerate(rows):
+            tokens[index, :len(row.tokens)] = torch.tensor(row.tokens)
+        logits, taps = self.target_model(tokens, layout, self.target_cache, self.tap_ids if with_taps else ())
+        return [(logits[i, :len(r.tokens)], taps[i, :len(r.tokens)] if taps is not None else None)
+                for i, r in enumerate(rows)]
+
+    @torch.inference_mode()
+    def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
+        if len(rows) == 1 and rows[0].slot == 0:
+            return [self.draft(torch.tensor([rows[0].block]), rows[0].taps, rows[0].start)]
+        layout = DraftLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
+                             tuple(r.taps.shape[0] for r in rows), tuple(len(r.block) for r in rows))
+        blocks = torch.zeros(len(rows), layout.block_width, dtype=torch.long)
+        taps = torch.zeros(len(rows), layout.context_width, rows[0].taps.shape[-1], dtype=rows[0].taps.dtype)
+        for index, row in enumerate(rows):
+            blocks[index, :len(row.block)] = torch.tensor(row.block)
+            if row.taps.shape[0]:
+                taps[index, layout.context_width - row.taps.shape[0]:] = row.taps  # right-aligned context
+        hidden = self.draft_model(self._block_embeds(blocks), taps, layout, self.draft_cache)
+        logits = self.draft_model.logits(hidden, self.target_model.lm_head.weight)
+        for row in rows:
+            self.draft_cache.crop_slot(row.slot, row.start)
+        return [logits[i, :len(r.block) - 1] for i, r in enumerate(rows)]
+
+    def _block_embeds(self, block: Tensor) -> Tensor:
+        return F.embedding(block, self.target_model.embed_tokens.weight) * self.draft_config.input_embedding_scale

@@ -1,0 +1,145 @@
+"""Continuous batching of draft-verify cycles across requests (one worker thread per session).
+
+Each step: admit queued requests into free cache slots (prefill one by one), drop cancelled ones,
+pick every request's draft length (``policy``), run ONE draft forward for all drafting requests and
+ONE verify forward for all active requests, then hand each request its cycle. Requests differ in
+position, block length, sampling parameters and seed; each keeps its own RNG, so its output does
+not depend on what else is in the batch. A failure inside a step fails the requests of that step
+with the error and the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from dflash_trt.runtime.backend import BatchedBackend
+from dflash_trt.runtime.costs import CostModel
+from dflash_trt.runtime.loop import Cycle, RequestState
+from dflash_trt.runtime.policy import AcceptanceTracker, SpeculationConfig, auto_length, static_lengths
+
+Sink = Callable[[Cycle | BaseException | None], None]  # a cycle, an error, or None when cancelled
+
+
+class _Active:
+    def __init__(self, state: RequestState, sink: Sink, cancelled: threading.Event, window: int) -> None:
+        self.state, self.sink, self.cancelled = state, sink, cancelled
+        self.tracker = AcceptanceTracker(window, max(state.block_len - 1, 1))
+
+
+class Scheduler:
+    """Owns the backend's cache slots; ``submit`` is thread-safe."""
+
+    def __init__(self, backend: BatchedBackend, speculation: SpeculationConfig, costs: CostModel) -> None:
+        self.backend, self.speculation, self.costs = backend, speculation, costs
+        self.free_slots = list(range(backend.max_batch))
+        self.queue: deque[tuple[Callable[[int], RequestState], Sink, threading.Event]] = deque()
+        self.active: list[_Active] = []
+        self.prior = AcceptanceTracker(256, 64)
+        self._wake = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, make_state: Callable[[int], RequestState], sink: Sink, cancelled: threading.Event) -> None:
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("session is closed")
+            self.queue.append((make_state, sink, cancelled))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="dflash-scheduler", daemon=True)
+                self._worker.start()
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self.queue and not self.active and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self.queue and not self.active:
+                    return
+            self._admit()
+            if self.active:
+                self._step()
+
+    def _admit(self) -> None:
+        while self.free_slots:
+            with self._wake:
+                if not self.queue:
+                    return
+                make_state, sink, cancelled = self.queue.popleft()
+            if cancelled.is_set():
+                sink(None)
+                continue
+            slot = self.free_slots.pop()
+            try:
+                state = make_state(slot)
+                self.backend.reset_slot(slot)
+                ((logits, taps),) = self.backend.target_batch([state.prefill_row()], state.uses_drafter)
+                entry = _Active(state, sink, cancelled, self.speculation.acceptance_window)
+                sink(state.finish_prefill(logits, taps))
+            except BaseException as error:  # noqa: BLE001 - delivered to the request, the worker survives
+                self.free_slots.append(slot)
+                sink(error)
+                continue
+            if state.finished:
+                self.free_slots.append(slot)
+            else:
+                self.active.append(entry)
+
+    def draft_lengths(self) -> list[int]:
+        """This step's draft length per active request (0 = plain decoding)."""
+        wanted = [a.state.block_len - 1 for a in self.active]
+        if self.speculation.mode == "auto":
+            prior = self.prior.conditional()
+            alphas = [a.tracker.conditional(prior) for a in self.active]
+            length, _ = auto_length(self.costs, alphas, wanted)
+            return [min(length, w) for w in wanted]
+        return static_lengths(self.speculation, wanted, [a.tracker.acceptance_rate for a in self.active])
+
+    def _step(self) -> None:
+        for entry in [a for a in self.active if a.cancelled.is_set()]:
+            self._release(entry)
+            entry.sink(None)
+        if not self.active:
+            return
+        batch = list(self.active)
+        try:
+            rows = [(entry, entry.state.draft_row(length)) for entry, length in zip(batch, self.draft_lengths())]
+            drafting = [(entry, row) for entry, row in rows if row is not None]
+            if drafting:
+                began = time.perf_counter()
+                outputs = self.backend.draft_batch([row for _, row in drafting])
+                self.costs.record("draft", len(drafting), max(len(r.block) for _, r in drafting),
+                                  time.perf_counter() - began)
+                for (entry, _), draft_logits in zip(drafting, outputs):
+                    entry.state.take_drafts(draft_logits)
+            verify = [entry.state.verify_row() for entry in batch]
+            began = time.perf_counter()
+            results = self.backend.target_batch(verify, any(e.state.uses_drafter for e in batch))
+            self.costs.record("verify", len(batch), max(len(r.tokens) for r in verify), time.perf_counter() - began)
+            cycles = [entry.state.finish_verify(logits, taps) for entry, (logits, taps) in zip(batch, results)]
+        except BaseException as error:  # noqa: BLE001 - fail this step's requests, keep serving
+            for entry in batch:
+                self._release(entry)
+                entry.sink(error)
+            return
+        for entry, cycle in zip(batch, cycles):
+            # crop to start: the bonus is not in the cache; it is verified as slot 0 of the next block
+            self.backend.crop_target_slot(entry.state.slot, entry.state.start)
+            entry.tracker.observe(cycle.drafted, cycle.accepted)
+            self.prior.observe(cycle.drafted, cycle.accepted)
+            entry.sink(cycle)
+            if entry.state.finished:
+                self._release(entry)
+
+    def _release(self, entry: _Active) -> None:
+        if entry in self.active:
+            self.active.remove(entry)
+            self.free_slots.append(entry.state.slot)
