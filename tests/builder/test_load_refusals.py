@@ -253,7 +253,8 @@ def test_corrupt_safetensors_is_refused(draft_dir, tmp_path):
     folder = clone(draft_dir, tmp_path / "d")
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[: len(data) // 3])
-    assert_names(refusal(CheckpointFormatError, load_draft, folder), "model.safetensors", "cannot be read as safetensors")
+    message = refusal(CheckpointFormatError, load_draft, folder)
+    assert_names(message, "model.safetensors", "cannot be read as safetensors")
 
 
 # ============================================================================ target files
@@ -395,13 +396,17 @@ def test_rope_scaling_fields_must_match_not_just_theta_and_kind(target_config, d
     assert_names(message, "original_max_position_embeddings=8192", "original_max_position_embeddings=64")
 
 
-def test_load_pair_refuses_a_mask_token_outside_the_target_vocab(target_dir, draft_dir, tmp_path):
+def test_load_pair_refuses_a_mask_token_outside_the_target_embedding(target_dir, draft_dir, tmp_path):
     def edit(config):
-        config["vocab_size"] = 512
-        config["dflash_config"]["mask_token_id"] = 400
+        config["dflash_config"]["mask_token_id"] = 300
 
-    folder = clone(draft_dir, tmp_path / "d", edit)
-    message = refusal(IncompatiblePairError, load_pair, target_dir, folder)
+    message = refusal(IncompatiblePairError, load_pair, target_dir, clone(draft_dir, tmp_path / "d", edit))
+    assert_names(message, "`dflash_config.mask_token_id` is 300", "< 256")
+
+
+def test_load_pair_refuses_a_drafter_built_for_another_vocabulary(target_dir, draft_dir, tmp_path):
+    message = refusal(IncompatiblePairError, load_pair, target_dir,
+                      clone(draft_dir, tmp_path / "d", lambda c: c.update(vocab_size=512)))
     assert_names(message, "`vocab_size` is 512", "target's 256")
 
 
