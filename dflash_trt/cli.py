@@ -55,10 +55,15 @@ Examples:
   dflash-trt run --prompt "Once upon a time" --no-draft --json
   dflash-trt run --target ./Qwen3-0.6B --draft ./Qwen3-0.6B-DFlash --prompt "Hello" --block-len 8
   dflash-trt run --prompt-ids 1,403,407 --temperature 0.8 --top-p 0.9 --seed 7
+  dflash-trt run --engine engines/stories260K-ort --prompt "Once upon a time" --json
 """
 
 
 @main.command(epilog=_EXAMPLES_RUN)
+@click.option("--engine", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Engine folder from "
+              "`dflash-trt build` (instead of --target/--draft).")
+@click.option("--backend", default="auto", show_default=True, help="With --engine: torch | onnxruntime | tensorrt | "
+              "auto (the fastest this engine holds and this machine runs).")
 @click.option("--target", type=click.Path(exists=True, path_type=Path), help="Target checkpoint (HF folder or "
               "llama2.c .bin). Default: the embedded stories260K.")
 @click.option("--draft", type=click.Path(exists=True, path_type=Path), help="DFlash drafter folder (z-lab "
@@ -79,8 +84,8 @@ Examples:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--stream", is_flag=True, help="Print text as each cycle is verified.")
-def run(target, draft, prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, block_len, proposal,
-        stop_token_ids, no_draft, dtype, as_json, stream) -> None:
+def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, block_len,
+        proposal, stop_token_ids, no_draft, dtype, as_json, stream) -> None:
     """Generate from a target with its DFlash drafter (or without, --no-draft)."""
     from dflash_trt.config import SamplingParams
     from dflash_trt.runtime.session import Session
@@ -92,7 +97,13 @@ def run(target, draft, prompt, prompt_ids, max_new_tokens, temperature, top_p, t
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         block_len=1 if no_draft else block_len, proposal=proposal,
         stop_token_ids=_parse_ids(stop_token_ids, "--stop-token-ids"))
-    session = Session.from_checkpoints(target, draft, dtype=dtype, use_draft=not no_draft)
+    if engine is not None:
+        if target is not None or draft is not None:
+            raise RequestError("--engine already holds the target and drafter; expected no --target/--draft with it. "
+                               "Fix: drop --target/--draft.")
+        session = Session.load(engine, backend)
+    else:
+        session = Session.from_checkpoints(target, draft, dtype=dtype, use_draft=not no_draft)
     request = prompt if prompt is not None else list(_parse_ids(prompt_ids, "--prompt-ids"))
     if stream and not as_json:
         for chunk in session.stream(request, params):
@@ -177,6 +188,15 @@ def _register_optional_commands() -> None:
 
 
 _register_optional_commands()
+
+
+def _register_build_command() -> None:
+    from dflash_trt.builder.command import build_command
+
+    main.add_command(build_command, "build")
+
+
+_register_build_command()
 
 
 def entry() -> None:

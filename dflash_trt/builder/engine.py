@@ -286,7 +286,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
         from dflash_trt.builder import bundle_trtllm
 
         trt_checks, trt_pending = step("write TensorRT-LLM bundle", lambda: bundle_trtllm.write_bundle(
-            work, pair, quantization, limits, tokenizer))
+            work, config.out, pair, quantization, limits, tokenizer))
         checks.update(trt_checks)
         pending += trt_pending
         backends.append("trtllm")

@@ -65,7 +65,8 @@ class _PrefixCache:
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
 
-    def write(self, layer: int, start: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    def write(self, layer: int, start: int, keys: Tensor, values: Tensor,
+              positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         self.new_keys.append(keys)
         self.new_values.append(values)
         return torch.cat([self.past_keys[layer], keys], dim=2), torch.cat([self.past_values[layer], values], dim=2)
@@ -93,7 +94,7 @@ class TargetGraph(nn.Module):
         cache = _PrefixCache(past_keys, past_values)
         taps: dict[int, Tensor] = {}
         for index, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, index, past, mask)
+            h = layer(h, cos, sin, cache, index, past, mask, None)
             if index in self.tap_ids:
                 taps[index] = h
         logits = self.model.lm_head(self.model.norm(h))

@@ -1,0 +1,99 @@
+"""``dflash-trt build``: a thin click command over ``builder.engine.build_engine`` (style R13).
+
+Shows one line per build step as it runs, then a summary of what was written (artefact sizes,
+build time, peak memory). When the machine cannot produce part of the requested engine (TensorRT
+plans without a GPU, TRT-LLM without tensorrt_llm) the folder still holds everything that could
+be written, the summary says what is pending, and the command exits 2 with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from dflash_trt.errors import BackendUnavailableError
+
+_EXAMPLES = """
+\b
+Examples:
+  dflash-trt build --out engines/stories260K-ort
+  dflash-trt build --out engines/stories260K-fp8 --quant fp8 --force
+  dflash-trt build --target ./Qwen3-4B --draft ./Qwen3-4B-DFlash-b16 --out engines/qwen3-4b --max-seq-len 4096
+  dflash-trt build --out engines/stories260K-trt --backend tensorrt       # on a GPU machine
+  dflash-trt build --out engines/stories260K-trtllm --backend trtllm      # LLM-API YAML for trtllm-serve
+"""
+
+
+def _size(num: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num < 1024 or unit == "GiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    return f"{num:.1f} GiB"
+
+
+@click.command("build", epilog=_EXAMPLES)
+@click.option("--target", type=click.Path(exists=True, path_type=Path),
+              help="Target checkpoint (HF folder or llama2.c .bin). Default: the embedded stories260K.")
+@click.option("--draft", type=click.Path(exists=True, path_type=Path),
+              help="DFlash drafter folder (z-lab format). Default: the embedded drafter when --target is not given.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Engine folder to create (engines/NAME).")
+@click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt", "trtllm"]), default="onnxruntime",
+              show_default=True, help="What to build.")
+@click.option("--quant", type=click.Choice(["none", "fp8", "nvfp4"]), default="none", show_default=True,
+              help="Target weight quantization (ModelOpt formats).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Largest batch the artefacts accept.")
+@click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
+              help="Longest prompt + output. Default: min(target max_position_embeddings, 8192).")
+@click.option("--block-len", type=click.IntRange(min=1, max=64), default=None,
+              help="Largest block (anchor + drafts). Default: the drafter's block_size.")
+@click.option("--drafter-graph", type=click.Choice(["standard", "plugin"]), default="standard", show_default=True,
+              help="Drafter graph ONNX Runtime runs: standard ONNX ops (fast) or DFlashBlockAttention plugin nodes.")
+@click.option("--force", is_flag=True, help="Replace an existing engine folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def build_command(target, draft, out, backend, quant, max_batch_size, max_seq_len, block_len, drafter_graph, force,
+                  as_json) -> None:
+    """Build an engine folder (manifest.json + artefacts) from a target and its DFlash drafter."""
+    from rich.console import Console
+
+    from dflash_trt.builder.engine import BuildConfig, build_engine
+
+    config = BuildConfig(target=target, draft=draft, out=out, backend=backend, quant=quant,
+                         max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_len=block_len,
+                         drafter_graph=drafter_graph, force=force)
+    console = Console(stderr=True, highlight=False)
+
+    def progress(event: str, step: str, seconds: float | None) -> None:
+        if event == "start":
+            console.print(f"[dim]…[/dim] {step}")
+        else:
+            console.print(f"[green]✓[/green] {step} [dim]({seconds:.1f} s)[/dim]")
+
+    report = build_engine(config, progress=None if as_json else progress)
+    manifest = report.manifest
+    summary = {"engine": str(report.folder), "backends": list(manifest.backends), "quant": manifest.quantization.mode,
+               "build_seconds": round(report.seconds, 2), "peak_rss_bytes": report.peak_rss_bytes,
+               "artefacts": [{"path": a.path, "bytes": a.bytes, "role": a.role} for a in manifest.artefacts],
+               "checks": manifest.checks, "pending": list(report.pending)}
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"{report.folder}  (backends: {', '.join(manifest.backends)})", title_justify="left")
+        for column in ("artefact", "role", "size"):
+            table.add_column(column, justify="right" if column == "size" else "left")
+        for artefact in manifest.artefacts:
+            table.add_row(artefact.path, artefact.role, _size(artefact.bytes))
+        Console(highlight=False).print(table)
+        total = sum(a.bytes for a in manifest.artefacts)
+        click.echo(f"total {_size(total)} in {len(manifest.artefacts)} files; build {report.seconds:.1f} s; "
+                   f"peak memory {_size(report.peak_rss_bytes)}")
+        for name, outcome in manifest.checks.items():
+            click.echo(f"check {name}: {outcome}")
+    if report.pending:
+        raise BackendUnavailableError(f"{report.folder}: wrote what this machine can write; not written: "
+                                      + "; ".join(report.pending))
