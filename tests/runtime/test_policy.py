@@ -1,0 +1,79 @@
+"""Speculation policies (runtime/policy.py): TensorRT-LLM-style static rules and the cost model."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dflash_trt.runtime.costs import CostModel
+from dflash_trt.runtime.policy import (AcceptanceTracker, SpeculationConfig, auto_length, expected_tokens,
+                                       scheduled_length, static_lengths)
+
+
+def linear_costs(verify_base: float, verify_per_token: float, draft_base: float, draft_per_token: float,
+                 max_batch: int = 64, max_width: int = 16) -> CostModel:
+    costs = CostModel()
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        for width in (1, 2, 4, 8, 16):
+            costs.record("verify", batch, width, verify_base + verify_per_token * batch * width)
+            costs.record("draft", batch, width, draft_base + draft_per_token * batch * width)
+    return costs
+
+
+def test_expected_tokens_counts_the_bonus_and_the_surviving_prefix():
+    assert expected_tokens([0.5, 0.5], 0) == 1
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0] * 15, 15) == 16
+
+
+def test_schedule_is_a_step_function_over_batch_size():
+    schedule = {1: 15, 4: 7, 16: 3}
+    assert [scheduled_length(schedule, b) for b in (1, 2, 4, 5, 16, 17)] == [15, 7, 7, 3, 3, 0]
+
+
+def test_static_rules_max_concurrency_schedule_and_threshold():
+    config = SpeculationConfig(max_concurrency=3)
+    assert static_lengths(config, [15, 15, 15, 15], [None] * 4) == [0, 0, 0, 0]
+    config = SpeculationConfig(draft_len_schedule={2: 7}, acceptance_rate_threshold=0.5)
+    assert static_lengths(config, [15, 3], [0.9, 0.1]) == [7, 0]
+
+
+def test_tracker_conditional_acceptance():
+    tracker = AcceptanceTracker(window=8, positions=3)
+    for drafted, accepted in [(3, 3), (3, 1), (3, 0)]:
+        tracker.observe(drafted, accepted)
+    alphas = tracker.conditional(prior=[0.5] * 3, weight=0.0)
+    assert alphas[0] == pytest.approx(2 / 3)  # 3 reached position 1, 2 passed
+    assert alphas[1] == pytest.approx(1 / 2)
+    assert tracker.acceptance_rate == pytest.approx(4 / 9)
+
+
+def test_auto_drafts_when_acceptance_is_high_and_cost_is_flat():
+    costs = linear_costs(1e-3, 1e-6, 2e-4, 1e-6)
+    length, rates = auto_length(costs, [[0.9] * 15], [15])
+    assert length > 0 and rates[length] > rates[0]
+
+
+def test_auto_falls_back_to_plain_decoding_when_drafts_are_rejected():
+    costs = linear_costs(1e-3, 1e-6, 2e-4, 1e-6)
+    assert auto_length(costs, [[0.01] * 15], [15])[0] == 0
+
+
+def test_auto_stops_drafting_at_high_concurrency_when_verify_cost_grows_with_tokens():
+    costs = linear_costs(1e-3, 1e-4, 2e-4, 5e-5)
+    assert auto_length(costs, [[0.6] * 15] * 64, [15] * 64)[0] == 0
+    assert auto_length(costs, [[0.6] * 15], [15])[0] > 0
+
+
+@given(alpha=st.floats(0.0, 1.0), verify_token=st.floats(0.0, 1e-3), draft_base=st.floats(0.0, 5e-3),
+       batch=st.sampled_from([1, 4, 16, 64]))
+def test_auto_never_picks_a_length_the_cost_model_predicts_a_loss_for(alpha, verify_token, draft_base, batch):
+    costs = linear_costs(1e-3, verify_token, draft_base, 1e-6)
+    alphas = [[alpha] * 15] * batch
+    length, rates = auto_length(costs, alphas, [15] * batch)
+    assert rates[length] >= rates[0]
+    if length:
+        predicted = sum(expected_tokens(a, length) for a in alphas) / (costs.draft(batch, length + 1)
+                                                                       + costs.verify(batch, length + 1))
+        assert predicted > batch / costs.verify(batch, 1)

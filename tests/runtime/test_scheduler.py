@@ -1,0 +1,114 @@
+"""Batched serving (runtime/scheduler.py via Session.submit): many requests share each forward,
+yet every request's output is what it would be alone (issue 5's batching bar)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from tiny_models import DraftSpec, TargetSpec
+
+from dflash_trt.config import SamplingParams
+from dflash_trt.errors import RequestError
+from dflash_trt.runtime.policy import SpeculationConfig
+from dflash_trt.runtime.session import Session
+
+TARGET = TargetSpec(family="llama", num_layers=4)
+DRAFT = DraftSpec(distill_steps=150, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def sessions(zoo):
+    target, draft = zoo.target(TARGET), zoo.drafter(TARGET, DRAFT)
+    alone = Session.from_checkpoints(target, draft)
+    batched = Session.from_checkpoints(target, draft, max_batch=8)
+    return alone, batched
+
+
+def mixed_requests(count: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
+    """Different prompt lengths, positions, block lengths, lengths, temperatures, top-k/p and seeds."""
+    rng = random.Random(seed)
+    requests = []
+    for index in range(count):
+        prompt = [rng.randrange(1, 200) for _ in range(rng.randint(1, 12))]
+        params = SamplingParams(max_new_tokens=rng.randint(1, 40), block_len=rng.choice([1, 2, 3, 4, 6, 8]),
+                                temperature=rng.choice([0.0, 0.0, 0.7, 1.0]), top_k=rng.choice([0, 8]),
+                                top_p=rng.choice([1.0, 0.9]), seed=index,
+                                proposal=rng.choice(["greedy", "sampled"]),
+                                stop_token_ids=rng.choice([(), (7,), None]))
+        requests.append((prompt, params))
+    return requests
+
+
+def test_64_mixed_requests_batched_equal_each_request_run_alone(sessions):
+    alone, batched = sessions
+    requests = mixed_requests(64)
+    expected = [alone.generate(prompt, params) for prompt, params in requests]
+    handles = [batched.submit(prompt, params) for prompt, params in requests]
+    results = [handle.result() for handle in handles]
+    for (prompt, params), want, got in zip(requests, expected, results):
+        assert got.token_ids == want.token_ids, (prompt, params)
+        assert got.finish_reason == want.finish_reason
+        assert got.stats.acceptance_lengths == want.stats.acceptance_lengths
+    assert max(len(r.token_ids) for r in results) > 1
+
+
+def test_batched_greedy_speculation_equals_plain_decoding(sessions):
+    _, batched = sessions
+    requests = [(prompt, params.model_copy(update={"temperature": 0.0})) for prompt, params in mixed_requests(24, 1)]
+    speculative = [batched.submit(p, s) for p, s in requests]
+    plain = [batched.submit(p, s.model_copy(update={"block_len": 1})) for p, s in requests]
+    assert [h.result().token_ids for h in speculative] == [h.result().token_ids for h in plain]
+
+
+def test_cancel_stops_a_request_and_the_others_finish(sessions):
+    _, batched = sessions
+    long = batched.submit([5, 6, 7], SamplingParams(max_new_tokens=200, block_len=1, stop_token_ids=()))
+    others = [batched.submit([9, i], SamplingParams(max_new_tokens=10, stop_token_ids=())) for i in range(4)]
+    chunks = iter(long)
+    next(chunks)  # the prefill token has arrived: the request is running
+    long.cancel()
+    rest = list(chunks)
+    assert rest[-1].finish_reason == "cancelled"
+    assert len(long.token_ids) < 200
+    assert all(len(h.result().token_ids) == 10 for h in others)
+
+
+def test_asyncio_api_matches_generate(sessions):
+    alone, batched = sessions
+    params = SamplingParams(max_new_tokens=20, stop_token_ids=())
+
+    async def run():
+        results = await asyncio.gather(*(batched.agenerate([3, i], params) for i in range(6)))
+        streamed = [chunk async for chunk in batched.astream([3, 0], params)]
+        return results, streamed
+
+    results, streamed = asyncio.run(run())
+    assert [r.token_ids for r in results] == [alone.generate([3, i], params).token_ids for i in range(6)]
+    assert [t for chunk in streamed for t in chunk.token_ids] == results[0].token_ids
+
+
+def test_invalid_request_is_refused_at_submit_and_the_worker_keeps_serving(sessions):
+    _, batched = sessions
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        batched.submit([1] * 10, SamplingParams(max_new_tokens=batched.max_seq_len))
+    assert len(batched.generate([1, 2], SamplingParams(max_new_tokens=5, stop_token_ids=())).token_ids) == 5
+
+
+@pytest.mark.parametrize("mode", ["static", "auto"])
+def test_speculation_policies_are_lossless(zoo, mode):
+    config = SpeculationConfig(mode=mode, draft_len_schedule={2: 3, 4: 1} if mode == "static" else None,
+                               acceptance_rate_threshold=0.3 if mode == "static" else None)
+    session = Session.from_checkpoints(zoo.target(TARGET), zoo.drafter(TARGET, DRAFT), max_batch=4,
+                                       speculation=config)
+    requests = [(prompt, params.model_copy(update={"temperature": 0.0, "block_len": 4}))
+                for prompt, params in mixed_requests(12, 2)]
+    handles = [session.submit(p, s) for p, s in requests]
+    plain = [session.submit(p, s.model_copy(update={"block_len": 1})) for p, s in requests]
+    results = [h.result() for h in handles]
+    assert [r.token_ids for r in results] == [h.result().token_ids for h in plain]
+    used = set()
+    for r in results:
+        used |= {int(k) for k in r.stats.to_dict()["draft_lens_used"]}
+    assert used <= {0, 1, 2, 3}
