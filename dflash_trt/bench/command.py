@@ -43,16 +43,18 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")
 @click.option("--no-peers", is_flag=True, help="Skip transformers generate() and the dflash reference.")
+@click.option("--no-adaptive", is_flag=True, help="Skip DFlash with the `auto` (cost-model) speculation policy.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for report.json/.md and plots.")
 def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, concurrency, block_len, temperature,
-                  max_new_tokens, gpu_hour_cost, no_peers, seed, out) -> None:
+                  max_new_tokens, gpu_hour_cost, no_peers, no_adaptive, seed, out) -> None:
     """Benchmark DFlash against plain decoding in the same runtime, on the same requests."""
     from rich.progress import Progress
 
     from dflash_trt.bench.harness import BenchConfig, load_prompt_sets, run_benchmark
     from dflash_trt.bench.peers import available_peers
     from dflash_trt.bench.report import build_report, conditions, write_report
+    from dflash_trt.runtime.policy import SpeculationConfig
     from dflash_trt.runtime.session import Session
 
     config = BenchConfig(
@@ -60,11 +62,17 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         concurrency=_numbers(concurrency, int, "--concurrency"),
         block_lens=_numbers(block_len, int, "--block-len") if block_len else None,
         temperatures=_numbers(temperature, float, "--temperature"), max_new_tokens=max_new_tokens, seed=seed,
-        gpu_hour_cost=gpu_hour_cost, peers=not no_peers)
+        gpu_hour_cost=gpu_hour_cost, peers=not no_peers, adaptive=not no_adaptive)
+    max_batch = max(config.concurrency)
     if engine is not None:
-        session = Session.load(engine)
+        session = Session.load(engine, max_batch=max_batch)
     else:
-        session = Session.from_checkpoints(target, draft)
+        session = Session.from_checkpoints(target, draft, max_batch=max_batch)
+    adaptive = None
+    if config.adaptive and session.pair.draft is not None:
+        adaptive = Session(session.pair, backend=getattr(session.backend, "name", "torch"),
+                           max_seq_len=session.max_seq_len, engine=getattr(session, "engine", None),
+                           max_batch=max_batch, speculation=SpeculationConfig(mode="auto"))
     prompt_sets = load_prompt_sets(config)
     peers, notes = ({}, ["peers disabled (--no-peers)"]) if no_peers else available_peers(
         session.pair.target, session.pair.draft_path, session.pair.target.config.eos_token_ids)
@@ -74,7 +82,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         def progress(label: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total, description=label)
 
-        cells = run_benchmark(session, config, peers, progress)
+        cells = run_benchmark(session, config, peers, progress, adaptive)
     command = "dflash-trt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     report = build_report(cells, config, conditions(session, config, prompt_sets, notes, command))
     for path in write_report(report, out):
@@ -84,4 +92,5 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         click.echo(f"{cell['dataset']:>12} T={cell['temperature']:g} B={cell['block_len']} c={cell['concurrency']}: "
                    f"τ {cell['modes']['dflash'].get('acceptance', {}).get('mean_acceptance_length', 0):.2f}, "
                    f"speed-up {cell['speedup_throughput']:.2f}x"
+                   + (f", auto {cell['speedup_auto']:.2f}x" if "speedup_auto" in cell else "")
                    + ("" if same is None else f", greedy identical to AR: {'yes' if same else 'NO'}"))

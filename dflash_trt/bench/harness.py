@@ -22,7 +22,7 @@ from dflash_trt.bench.runners import Runner, SessionRunner, Timing
 from dflash_trt.config import SamplingParams
 from dflash_trt.runtime.session import Session
 
-AR, DFLASH = "ar", "dflash"
+AR, DFLASH, DFLASH_AUTO = "ar", "dflash", "dflash_auto"
 
 
 class BenchConfig(BaseModel):
@@ -42,6 +42,8 @@ class BenchConfig(BaseModel):
     seed: int = Field(default=0, description="Base seed; request i uses seed + i.")
     gpu_hour_cost: PositiveFloat | None = Field(default=None, description="USD per machine-hour for cost/1k tokens.")
     peers: bool = Field(default=True, description="Also time transformers generate() and the dflash reference.")
+    adaptive: bool = Field(default=True, description="Also run DFlash with the `auto` speculation policy "
+                                                     "(cost-model draft lengths, 0 = plain decoding).")
     mode: Literal["ab"] = Field(default="ab", description="A/B against plain decoding in the same runtime.")
 
 
@@ -96,8 +98,13 @@ def run_cell(runners: dict[str, Runner], requests: list[tuple[list[int], Samplin
 
 
 def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callable[[int], Runner]] | None = None,
-                  progress: Callable[[str, int, int], None] | None = None) -> list[CellResult]:
-    """Every cell of the config; ``progress(label, done, total)`` is called after each cell."""
+                  progress: Callable[[str, int, int], None] | None = None,
+                  adaptive: Session | None = None) -> list[CellResult]:
+    """Every cell of the config; ``progress(label, done, total)`` is called after each cell.
+
+    ``session`` runs plain decoding and static DFlash; ``adaptive`` (same weights, ``auto`` policy)
+    runs adaptive DFlash. Both need ``max_batch >= max(concurrency)`` to batch the waves.
+    """
     prompt_sets = load_prompt_sets(config)
     block_lens = config.block_lens or (session.default_block_len,)
     cells = [(ps, t, b, c) for ps in prompt_sets for t in config.temperatures for b in block_lens
@@ -107,6 +114,8 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
     for prompt in prompt_sets[0].prompts[:config.warmup]:
         for block_len in (1, *block_lens):
             session.generate(prompt.text, warm.model_copy(update={"block_len": block_len}))
+            if adaptive is not None:
+                adaptive.generate(prompt.text, warm.model_copy(update={"block_len": block_len}))
     for done, (prompt_set, temperature, block_len, concurrency) in enumerate(cells):
         prompts = list(prompt_set.prompts[:config.num_prompts])
         requests = [(session.encode(p.text), SamplingParams(max_new_tokens=config.max_new_tokens,
@@ -116,6 +125,8 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
                     if len(ids) + config.max_new_tokens <= session.max_seq_len]
         runners: dict[str, Runner] = {AR: SessionRunner(session, AR, 1), DFLASH: SessionRunner(session, DFLASH,
                                                                                                    block_len)}
+        if adaptive is not None:
+            runners[DFLASH_AUTO] = SessionRunner(adaptive, DFLASH_AUTO, block_len)
         if peers and concurrency == 1 and temperature == 0 and block_len == block_lens[0]:
             runners |= {name: make(block_len) for name, make in peers.items()}
         cell = CellResult(prompt_set.name, temperature, block_len, concurrency, prompts=prompts)
@@ -137,6 +148,8 @@ def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
         "speedup_throughput": dflash["output_tokens_per_s"] / ar["output_tokens_per_s"],
         "speedup_tpot": (ar["tpot_s"]["p50"] / dflash["tpot_s"]["p50"]) if dflash["tpot_s"]["p50"] else 0.0,
     }
+    if DFLASH_AUTO in modes:
+        summary["speedup_auto"] = modes[DFLASH_AUTO]["output_tokens_per_s"] / ar["output_tokens_per_s"]
     if cell.temperature == 0:
         reference = [t.token_ids for t in cell.timings[AR]]
         summary["identical_to_ar"] = {name: [t.token_ids for t in timings] == reference

@@ -76,6 +76,7 @@ class Session:
             raise RequestError(f"max_seq_len is {self.max_seq_len}; expected <= the target's "
                                f"max_position_embeddings {limit}. Fix: pass a smaller --max-seq-len.")
         self.pair = pair
+        self.engine = engine
         self.speculation = speculation or SpeculationConfig()
         self.backend = create_backend(backend, pair, self.max_seq_len, engine, max_batch)
         self.tokenizer: Tokenizer | None = pair.tokenizer
@@ -107,6 +108,15 @@ class Session:
                                f"build limit. Fix: rebuild with --max-seq-len {max_seq_len}.")
         return cls(engine.pair, backend=engine.backend, max_seq_len=max_seq_len or engine.max_seq_len, engine=engine,
                    max_batch=max_batch, speculation=speculation)
+
+    @property
+    def manifest_sha256(self) -> str | None:
+        """sha256 of the engine folder's manifest.json (None for checkpoint sessions)."""
+        if self.engine is None:
+            return None
+        import hashlib
+
+        return hashlib.sha256((self.engine.folder / "manifest.json").read_bytes()).hexdigest()
 
     @property
     def default_block_len(self) -> int:
