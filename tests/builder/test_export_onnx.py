@@ -1,0 +1,52 @@
+"""ONNX export: checker-clean graphs with KV-cache I/O and tap outputs; plugin nodes only in the plugin variant."""
+
+from __future__ import annotations
+
+import pytest
+
+onnx = pytest.importorskip("onnx")
+
+from engine_builds import built_engine  # noqa: E402
+
+from dflash_trt.builder.export_onnx import DRAFT_INPUTS, DRAFT_OUTPUTS, TARGET_INPUTS, TARGET_OUTPUTS  # noqa: E402
+from dflash_trt.plugins.onnx_nodes import plugin_nodes, to_ort_domain  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return built_engine(tmp_path_factory.getbasetemp(), "ort-standard", backend="onnxruntime")
+
+
+def _io(path):
+    model = onnx.load(str(path))
+    return model, [i.name for i in model.graph.input], [o.name for o in model.graph.output]
+
+
+def test_target_graph_has_cache_inputs_and_tap_outputs(engine):
+    model, inputs, outputs = _io(engine / "onnx" / "target.onnx")
+    assert tuple(inputs) == TARGET_INPUTS and tuple(outputs) == TARGET_OUTPUTS
+    past = model.graph.input[1].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in past] == [5, "batch", 4, "past", 8]  # stories260K: 5 layers, nkv 4
+    onnx.checker.check_model(model, full_check=True)
+    assert not plugin_nodes(model)
+
+
+def test_standard_drafter_graph_uses_only_standard_ops(engine):
+    model, inputs, outputs = _io(engine / "onnx" / "draft.onnx")
+    assert tuple(inputs) == DRAFT_INPUTS and tuple(outputs) == DRAFT_OUTPUTS
+    assert all(node.domain in ("", "ai.onnx") for node in model.graph.node)
+
+
+def test_plugin_drafter_graph_has_one_node_per_layer_with_trt_plugin_attributes(tmp_path_factory):
+    from dflash_trt.builder.manifest import read_manifest
+
+    folder = built_engine(tmp_path_factory.getbasetemp(), "ort-plugin", backend="onnxruntime", drafter_graph="plugin")
+    model, _, _ = _io(folder / "onnx" / "draft_plugin.onnx")
+    nodes = plugin_nodes(model)
+    assert len(nodes) == 2 and {n.op_type for n in nodes} == {"DFlashBlockAttention"}
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[1].attribute}
+    assert attributes["plugin_version"] == b"1" and attributes["plugin_namespace"] == b"dflash"
+    assert attributes["window"] == 5 and attributes["causal"] == 1  # layer 1 is the sliding layer
+    assert {n.domain for n in plugin_nodes(to_ort_domain(model))} == {"ai.onnx.contrib"}
+    manifest = read_manifest(folder)
+    assert manifest.build.drafter_graph == "plugin" and manifest.plugins[0].name == "dflash::block_attention"

@@ -1,0 +1,50 @@
+"""Engine folders shared by the builder and plugin tests: built once per test session (ONNX export is slow).
+
+The pair is the real stories260K target (llama2.c, GQA 8/4, tied head) with a random 2-layer drafter
+whose second layer is a sliding-window layer, so the graphs exercise every attention path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_CACHE: dict[str, Path] = {}
+
+
+def stories_drafter(root: Path) -> Path:
+    """A random z-lab drafter for stories260K (full + sliding layer, 2 taps, block 4)."""
+    if "drafter" not in _CACHE:
+        from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
+        from dflash_trt.builder.load import embedded_target_path, load_target
+        from dflash_trt.config import DraftConfig
+        from dflash_trt.model.draft_head import DraftHead, build_target_layer_ids
+
+        target, _ = load_target(embedded_target_path())
+        t = target.config
+        config = DraftConfig(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_layers=2,
+                             num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
+                             rms_norm_eps=t.rms_norm_eps, rope=t.rope, vocab_size=t.vocab_size,
+                             max_position_embeddings=t.max_position_embeddings, num_target_layers=t.num_layers,
+                             target_layer_ids=build_target_layer_ids(t.num_layers, 2), block_size=4, mask_token_id=0,
+                             layer_sliding=(False, True), sliding_window=5)
+        torch.manual_seed(7)
+        head = DraftHead(config)
+        with torch.no_grad():  # larger weights: draft logits far from uniform, so parity is meaningful
+            for param in head.parameters():
+                if param.dim() > 1:
+                    param.mul_(3.0)
+        _CACHE["drafter"] = save_draft_checkpoint(head, root / "stories-drafter")
+    return _CACHE["drafter"]
+
+
+def built_engine(root: Path, name: str, **fields) -> Path:
+    """``build_engine`` for stories260K + ``stories_drafter`` once per ``name`` (fields go to BuildConfig)."""
+    if name not in _CACHE:
+        from dflash_trt.builder.engine import BuildConfig, build_engine
+        from dflash_trt.builder.load import embedded_target_path
+
+        config = BuildConfig(target=embedded_target_path(), draft=stories_drafter(root), out=root / name, **fields)
+        _CACHE[name] = build_engine(config).folder
+    return _CACHE[name]
