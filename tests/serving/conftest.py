@@ -1,0 +1,93 @@
+"""Fixtures of the Triton tests: the stories260K pair, an exported repository and ONE real tritonserver.
+
+The server is the tritonserver 2.51 bundled in nvidia-pytriton, on 127.0.0.1 with free ports, started once per
+test session with a bounded readiness wait and always stopped in teardown. Without nvidia-pytriton (the
+``triton`` extra) the server tests skip with that reason; nothing here is mocked.
+"""
+
+from __future__ import annotations
+
+import socket
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+NON_STREAMING = "dflash"
+STREAMING = "dflash_stream"
+READY_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def need_pytriton() -> None:
+    if find_spec("pytriton") is None:
+        pytest.skip("nvidia-pytriton is not installed (pip install 'dflash-trt[triton]'); it provides tritonserver")
+
+
+@pytest.fixture(scope="session")
+def stories_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(target, drafter): stories260K with the embedded drafter, or a random block-4 drafter while none ships."""
+    from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
+
+    target = embedded_target_path()
+    if embedded_draft_path().is_dir():
+        return target, embedded_draft_path()
+    from tiny_models import DraftSpec, draft_config_for_spec
+
+    from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
+    from dflash_trt.builder.load import load_target
+    from dflash_trt.model.draft_head import DraftHead
+
+    target_model, _ = load_target(target)
+    torch.manual_seed(0)
+    head = DraftHead(draft_config_for_spec(target_model.config, DraftSpec(block_size=4)))
+    folder = tmp_path_factory.mktemp("stories-drafter")
+    save_draft_checkpoint(head, folder)
+    return target, folder
+
+
+@pytest.fixture(scope="session")
+def reference_session(stories_pair):
+    """The in-process Session every server answer is compared with."""
+    from dflash_trt.runtime.session import Session
+
+    return Session.from_checkpoints(*stories_pair)
+
+
+@pytest.fixture(scope="session")
+def triton_repo(tmp_path_factory: pytest.TempPathFactory, stories_pair) -> Path:
+    """A repository with both variants, written through the real CLI."""
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    repo = tmp_path_factory.mktemp("model_repository")
+    target, draft = stories_pair
+    for name, extra in ((NON_STREAMING, []), (STREAMING, ["--streaming"])):
+        result = CliRunner().invoke(main, ["triton", "export", "--target", str(target), "--draft", str(draft),
+                                           "--repo", str(repo), "--name", name, *extra])
+        assert result.exit_code == 0, result.output
+    return repo
+
+
+@pytest.fixture(scope="session")
+def triton_server(triton_repo: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real tritonserver for the session (HTTP, gRPC and metrics on 127.0.0.1); stopped in teardown."""
+    need_pytriton()
+    from dflash_trt.serving.triton_server import TritonServer
+
+    log = tmp_path_factory.mktemp("triton-log") / "tritonserver.log"
+    server = TritonServer(triton_repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          log_path=log, env={"OMP_NUM_THREADS": "1"})  # 2 shared cores: one thread per stub
+    try:
+        server.start()
+        server.wait_ready(READY_TIMEOUT_S)
+        yield server
+    finally:
+        server.stop()

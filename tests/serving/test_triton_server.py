@@ -1,0 +1,263 @@
+"""The exported repository on a REAL tritonserver (nvidia-pytriton's 2.51, CPU, 127.0.0.1): what clients see.
+
+Every answer is compared with ``Session.generate`` on the same pair and request in this process: text, token ids
+and the speculation counters. Bad requests get an error in their own response and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from dflash_trt.config import SamplingParams
+
+from .conftest import NON_STREAMING, STREAMING
+
+TIMEOUT_S = 60
+PROMPTS = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were", "The sun was"]
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def post_stream(url: str, body: dict) -> tuple[int, list[dict]]:
+    """POST to generate_stream; the SSE ``data:`` events as dicts (an error before the first event comes with an
+    HTTP error status, in the same SSE format)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode()
+    return status, [json.loads(line[len("data:"):]) for line in text.splitlines() if line.startswith("data:")]
+
+
+def generate(server, body: dict, model: str = NON_STREAMING) -> tuple[int, dict]:
+    return post(f"{server.http_url}/v2/models/{model}/generate", body)
+
+
+def as_list(value) -> list:
+    """generate returns a one-element output as a scalar and longer ones as lists."""
+    return value if isinstance(value, list) else [value]
+
+
+def expected(session, prompt: str, **fields):
+    return session.generate(prompt, SamplingParams.create(**fields))
+
+
+def assert_matches(answer: dict, result) -> None:
+    assert answer["text_output"] == result.text
+    assert as_list(answer["output_ids"]) == result.token_ids
+    assert answer["finish_reason"] == result.finish_reason
+    assert answer["num_drafts"] == result.stats.num_drafts
+    assert answer["num_draft_tokens"] == result.stats.num_draft_tokens
+    assert answer["num_accepted_draft_tokens"] == result.stats.num_accepted_tokens
+    assert answer["acceptance_length"] == pytest.approx(result.stats.mean_acceptance_length, rel=1e-6)
+
+
+def test_server_is_ready_and_serves_the_exported_config(triton_server):
+    for model in (NON_STREAMING, STREAMING):
+        with urllib.request.urlopen(f"{triton_server.http_url}/v2/models/{model}/config", timeout=10) as response:
+            config = json.loads(response.read())
+        assert config["name"] == model
+        assert config["model_transaction_policy"]["decoupled"] is (model == STREAMING)
+        assert config["parameters"]["streaming"]["string_value"] == ("true" if model == STREAMING else "false")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_generate_endpoint_equals_session_generate(triton_server, reference_session, prompt):
+    status, answer = generate(triton_server, {"text_input": prompt, "max_tokens": 24})
+    assert status == 200, answer
+    assert_matches(answer, expected(reference_session, prompt, max_new_tokens=24))
+
+
+def test_sampled_request_equals_session_generate_with_the_same_seed(triton_server, reference_session):
+    # the server sees float32 temperature/top_p: the reference uses the same rounded values
+    temperature, top_p = float(np.float32(0.8)), float(np.float32(0.9))
+    status, answer = generate(triton_server, {"text_input": PROMPTS[0], "max_tokens": 20, "temperature": 0.8,
+                                              "top_p": 0.9, "top_k": 40, "seed": 7})
+    assert status == 200, answer
+    assert_matches(answer, expected(reference_session, PROMPTS[0], max_new_tokens=20, temperature=temperature,
+                                    top_p=top_p, top_k=40, seed=7))
+
+
+def test_stop_word_ends_generation_like_a_stop_token(triton_server, reference_session):
+    periods = tuple(t for t in range(512) if reference_session.decode_text([t]) == ".")
+    status, answer = generate(triton_server, {"text_input": PROMPTS[0], "max_tokens": 40, "stop_words": ["."]})
+    assert status == 200, answer
+    eos = reference_session.pair.target.config.eos_token_ids
+    result = expected(reference_session, PROMPTS[0], max_new_tokens=40, stop_token_ids=(*eos, *periods))
+    assert_matches(answer, result)
+    assert result.finish_reason == "stop" and result.text.endswith(".")
+
+
+def test_generate_stream_chunks_add_up_to_session_generate(triton_server, reference_session):
+    status, events = post_stream(f"{triton_server.http_url}/v2/models/{STREAMING}/generate_stream",
+                                 {"text_input": PROMPTS[1], "max_tokens": 16, "stream": True})
+    assert status == 200, events
+    result = expected(reference_session, PROMPTS[1], max_new_tokens=16)
+    assert len(events) > 1 and all("error" not in e for e in events)
+    assert "".join(e["text_output"] for e in events) == result.text
+    assert [t for e in events for t in as_list(e["output_ids"])] == result.token_ids
+    assert [e["finish_reason"] for e in events] == [""] * (len(events) - 1) + [result.finish_reason]
+    assert events[-1]["num_draft_tokens"] == result.stats.num_draft_tokens
+    assert events[-1]["num_accepted_draft_tokens"] == result.stats.num_accepted_tokens
+
+
+def test_decoupled_model_without_stream_flag_sends_one_whole_response(triton_server, reference_session):
+    status, events = post_stream(f"{triton_server.http_url}/v2/models/{STREAMING}/generate_stream",
+                                 {"text_input": PROMPTS[2], "max_tokens": 12})
+    assert status == 200 and len(events) == 1, events
+    assert_matches(events[0], expected(reference_session, PROMPTS[2], max_new_tokens=12))
+
+
+def test_tritonclient_http_infer_equals_session_generate(triton_server, reference_session):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(triton_server.http_url.removeprefix("http://"),
+                                              connection_timeout=TIMEOUT_S, network_timeout=TIMEOUT_S)
+    try:
+        inputs = []
+        for name, value, dtype in (("text_input", np.array([[PROMPTS[3].encode()]], dtype=np.object_), "BYTES"),
+                                   ("max_tokens", np.array([[20]], dtype=np.int32), "INT32")):
+            tensor = httpclient.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        answer = client.infer(NON_STREAMING, inputs)
+    finally:
+        client.close()
+    result = expected(reference_session, PROMPTS[3], max_new_tokens=20)
+    assert answer.as_numpy("text_output").reshape(-1)[0].decode() == result.text
+    assert answer.as_numpy("output_ids").reshape(-1).tolist() == result.token_ids
+    assert answer.as_numpy("num_draft_tokens").reshape(-1).tolist() == [result.stats.num_draft_tokens]
+    assert answer.as_numpy("acceptance_lengths").reshape(-1).tolist() == result.stats.acceptance_lengths
+
+
+def test_tritonclient_grpc_stream_equals_session_generate(triton_server, reference_session):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        inputs = []
+        for name, value, dtype in (("text_input", np.array([[PROMPTS[0].encode()]], dtype=np.object_), "BYTES"),
+                                   ("max_tokens", np.array([[16]], dtype=np.int32), "INT32"),
+                                   ("stream", np.array([[True]], dtype=bool), "BOOL")):
+            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        client.async_stream_infer(STREAMING, inputs, enable_empty_final_response=True)
+        texts, ids = [], []
+        for _ in range(64):  # bounded: 16 tokens come in at most 16 chunks
+            result, error = answers.get(timeout=TIMEOUT_S)
+            assert error is None, error
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            if result.as_numpy("text_output") is not None:
+                texts.append(result.as_numpy("text_output").reshape(-1)[0].decode())
+                ids += result.as_numpy("output_ids").reshape(-1).tolist()
+            if final:
+                break
+        else:
+            pytest.fail("no final response within 64 stream messages")
+    finally:
+        client.stop_stream()
+        client.close()
+    result = expected(reference_session, PROMPTS[0], max_new_tokens=16)
+    assert "".join(texts) == result.text and ids == result.token_ids
+    assert len(texts) > 1
+
+
+BAD_REQUESTS = [
+    pytest.param({"text_input": PROMPTS[0]}, "max_tokens", id="missing-input"),
+    pytest.param({"text_input": PROMPTS[0], "max_tokens": "many"}, "Unable to parse", id="wrong-type"),
+    pytest.param({"text_input": PROMPTS[0], "max_tokens": -1}, "max_new_tokens", id="negative-max-tokens"),
+    pytest.param({"text_input": "Once upon a time " * 200, "max_tokens": 8}, "context length", id="over-long-prompt"),
+    pytest.param({"text_input": PROMPTS[0], "max_tokens": 8, "stream": True}, "not decoupled", id="stream-on-plain"),
+    pytest.param({"text_input": PROMPTS[0], "max_tokens": 8, "stop_words": ["dragon slayer"]}, "single token",
+                 id="multi-token-stop-word"),
+]
+
+
+@pytest.mark.parametrize(("body", "mentions"), BAD_REQUESTS)
+def test_bad_request_gets_an_error_and_the_server_keeps_serving(triton_server, reference_session, body, mentions):
+    status, answer = generate(triton_server, body)
+    assert status >= 400 and mentions in answer["error"], answer  # Triton answers a JSON type error with 500
+    status, answer = generate(triton_server, {"text_input": PROMPTS[2], "max_tokens": 8})
+    assert status == 200, answer
+    assert_matches(answer, expected(reference_session, PROMPTS[2], max_new_tokens=8))
+
+
+def test_wrong_tensor_dtype_over_tritonclient_is_refused_and_the_server_keeps_serving(triton_server):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    client = httpclient.InferenceServerClient(triton_server.http_url.removeprefix("http://"),
+                                              connection_timeout=TIMEOUT_S, network_timeout=TIMEOUT_S)
+    try:
+        def infer(max_tokens: np.ndarray, dtype: str):
+            text = httpclient.InferInput("text_input", [1, 1], "BYTES")
+            text.set_data_from_numpy(np.array([[PROMPTS[0].encode()]], dtype=np.object_))
+            count = httpclient.InferInput("max_tokens", [1, 1], dtype)
+            count.set_data_from_numpy(max_tokens)
+            return client.infer(NON_STREAMING, [text, count])
+
+        with pytest.raises(InferenceServerException, match="max_tokens"):
+            infer(np.array([[8.0]], dtype=np.float32), "FP32")
+        assert infer(np.array([[4]], dtype=np.int32), "INT32").as_numpy("output_ids").size == 4
+    finally:
+        client.close()
+
+
+def test_bad_streaming_request_gets_an_error_event_and_the_stream_model_keeps_serving(triton_server):
+    url = f"{triton_server.http_url}/v2/models/{STREAMING}/generate_stream"
+    status, events = post_stream(url, {"text_input": PROMPTS[0], "max_tokens": -1, "stream": True})
+    assert status >= 400 and len(events) == 1 and "max_new_tokens" in events[0]["error"], (status, events)
+    status, events = post_stream(url, {"text_input": PROMPTS[0], "max_tokens": 4, "stream": True})
+    assert status == 200 and events and events[-1]["finish_reason"] == "length", events
+
+
+def test_32_concurrent_requests_all_complete_correctly(triton_server, reference_session):
+    jobs = [(PROMPTS[i % len(PROMPTS)], 4 + i % 9) for i in range(32)]
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        answers = list(pool.map(lambda job: generate(triton_server, {"text_input": job[0], "max_tokens": job[1]}),
+                                jobs))
+    for (prompt, max_tokens), (status, answer) in zip(jobs, answers):
+        assert status == 200, answer
+        assert_matches(answer, expected(reference_session, prompt, max_new_tokens=max_tokens))
+
+
+def test_prometheus_counters_grow_by_the_request_stats(triton_server, reference_session):
+    def counters() -> dict[str, float]:
+        with urllib.request.urlopen(triton_server.metrics_url, timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        wanted = f'model="{NON_STREAMING}"'
+        return {line.split("{")[0] + ("/" + line.split('position="')[1].split('"')[0] if "position=" in line else ""):
+                float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("dflash_") and wanted in line}
+
+    before = counters()
+    status, answer = generate(triton_server, {"text_input": PROMPTS[1], "max_tokens": 20})
+    assert status == 200, answer
+    after = counters()
+    stats = expected(reference_session, PROMPTS[1], max_new_tokens=20).stats
+    grew = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert grew["dflash_spec_decode_num_drafts_total"] == stats.num_drafts
+    assert grew["dflash_spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert grew["dflash_spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+    for position, drafted in enumerate(stats.drafted_per_position):
+        assert grew[f"dflash_spec_decode_num_drafted_tokens_per_pos_total/{position}"] == drafted
+        assert (grew[f"dflash_spec_decode_num_accepted_tokens_per_pos_total/{position}"]
+                == stats.accepted_per_position[position])
