@@ -178,6 +178,8 @@ def _register_optional_commands() -> None:
     from dflash_trt.bench.command import bench_command
 
     main.add_command(bench_command, "bench")
+    from dflash_trt.serving.command import triton_group
+    main.add_command(triton_group, "triton")
 
     if find_spec("dflash_trt.training") is None or find_spec("dflash_trt.training.command") is None:
         return
