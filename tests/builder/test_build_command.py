@@ -1,0 +1,79 @@
+"""dflash-trt build / run --engine through click: help examples, ORT engine == torch tokens, GPU-only backends
+on a CPU machine write what they can and stop with a clear message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from engine_builds import stories_drafter
+
+from dflash_trt.builder.load import embedded_target_path
+from dflash_trt.builder.manifest import read_manifest
+from dflash_trt.cli import main
+from dflash_trt.errors import BackendUnavailableError
+from dflash_trt.plugins.tensorrt.device import gpu_info
+
+
+def _build(root, out, *extra):
+    args = ["build", "--target", str(embedded_target_path()), "--draft", str(stories_drafter(root)), "--out", str(out),
+            *extra]
+    return CliRunner().invoke(main, args)
+
+
+def test_build_help_ends_with_examples():
+    result = CliRunner().invoke(main, ["build", "--help"])
+    assert result.exit_code == 0 and "Examples:" in result.output.split("Options:")[-1]
+    assert "--engine" in CliRunner().invoke(main, ["run", "--help"]).output
+
+
+def test_onnxruntime_engine_runs_with_the_same_tokens_as_torch(tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    root = tmp_path_factory.getbasetemp()
+    out = root / "cli-ort"
+    result = _build(root, out, "--backend", "onnxruntime", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["backends"] == ["onnxruntime", "torch"] and summary["peak_rss_bytes"] > 0
+    runs = {}
+    for backend in ("onnxruntime", "torch"):
+        run = CliRunner().invoke(main, ["run", "--engine", str(out), "--backend", backend, "--prompt",
+                                        "Once upon a time", "--max-new-tokens", "48", "--json"])
+        assert run.exit_code == 0, run.output
+        runs[backend] = json.loads(run.output)["token_ids"]
+    assert runs["onnxruntime"] == runs["torch"] and len(runs["torch"]) == 48
+
+
+@pytest.mark.skipif(gpu_info() is not None, reason="checks the CPU-machine behaviour")
+def test_tensorrt_on_cpu_writes_graphs_and_stops_with_the_gpu_message(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp()
+    out = root / "cli-trt"
+    result = _build(root, out, "--backend", "tensorrt")
+    assert isinstance(result.exception, BackendUnavailableError)
+    assert "needs an NVIDIA GPU" in str(result.exception) and "TensorRT 10.x or 11.x" in str(result.exception)
+    manifest = read_manifest(out)
+    assert manifest.tensorrt is None and manifest.backends == ("onnxruntime", "torch")
+    roles = {a.role for a in manifest.artefacts}
+    assert {"target_graph", "draft_graph", "draft_graph_plugin", "plugin_source"} <= roles
+    assert manifest.pending and all("needs" in p for p in manifest.pending)
+
+
+@pytest.mark.skipif(gpu_info() is not None, reason="checks the CPU-machine behaviour")
+def test_trtllm_on_cpu_writes_a_valid_bundle_and_stops_with_the_gpu_message(tmp_path_factory):
+    import yaml
+
+    from dflash_trt.builder.bundle_trtllm import validate_options
+
+    root = tmp_path_factory.getbasetemp()
+    out = root / "cli-trtllm"
+    result = _build(root, out, "--backend", "trtllm", "--max-seq-len", "256")
+    assert isinstance(result.exception, BackendUnavailableError) and "needs an NVIDIA GPU" in str(result.exception)
+    options = yaml.safe_load((out / "trtllm" / "llm_api_options.yaml").read_text())
+    spec = options["speculative_config"]
+    assert spec["decoding_type"] == "DFlash" and spec["max_draft_len"] == 3 and options["max_seq_len"] == 256
+    assert spec["target_layer_ids"] == [1, 2] and spec["mask_token_id"] == 0
+    assert spec["speculative_model"] == str((out / "trtllm" / "draft").resolve())
+    validate_options(options, drafter_block_size=4, source="test")
+    hf = json.loads((out / "trtllm" / "target" / "config.json").read_text())
+    assert hf["architectures"] == ["LlamaForCausalLM"] and hf["tie_word_embeddings"] is True

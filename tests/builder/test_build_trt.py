@@ -1,0 +1,60 @@
+"""TensorRT builder glue, structurally on CPU: strongly typed flags per API generation, optimisation profiles,
+and (with tensorrt-rtx installed) a real parse + build of the plugin-free graphs. The GPU build is marked gpu."""
+
+from __future__ import annotations
+
+import types
+from importlib.util import find_spec
+
+import pytest
+from engine_builds import built_engine
+
+from dflash_trt.builder.build_trt import graph_profiles, network_flags
+from dflash_trt.builder.export_onnx import GraphLimits
+from dflash_trt.plugins.tensorrt.device import gpu_info, tensorrt_version
+
+
+def _fake_trt(version: str, name: str = "tensorrt"):
+    flags = types.SimpleNamespace(STRONGLY_TYPED=2)
+    return types.SimpleNamespace(__version__=version, __name__=name, NetworkDefinitionCreationFlag=flags)
+
+
+def test_strongly_typed_flag_is_explicit_on_tensorrt_10_and_implicit_on_11_and_rtx():
+    assert network_flags(_fake_trt("10.14.1")) == 1 << 2
+    assert network_flags(_fake_trt("11.4.0")) == 0
+    assert network_flags(_fake_trt("1.7.1", "tensorrt_rtx")) == 0
+
+
+def test_profiles_cover_empty_caches_up_to_the_build_limits(tmp_path_factory):
+    from dflash_trt.runtime.session import Session
+
+    pair = Session.load(built_engine(tmp_path_factory.getbasetemp(), "torch-only", backend="torch"), "torch").pair
+    profiles = graph_profiles(pair, GraphLimits(max_batch_size=2, max_seq_len=128, block_len=4))
+    low, _, high = profiles["target"]["past_keys"]
+    assert low == (5, 1, 4, 0, 8) and high == (5, 2, 4, 127, 8)
+    assert profiles["draft"]["block"] == ((1, 2), (1, 4), (2, 4))
+    assert profiles["draft"]["taps"][2] == (2, 128, 128)
+
+
+@pytest.mark.skipif(find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx not installed")
+def test_plugin_free_graphs_parse_and_build_with_tensorrt_rtx(tmp_path_factory):
+    from dflash_trt.builder.build_trt import rtx_check
+    from dflash_trt.runtime.session import Session
+
+    engine = built_engine(tmp_path_factory.getbasetemp(), "ort-standard", backend="onnxruntime")
+    pair = Session.load(engine, "torch").pair
+    results = rtx_check(engine / "onnx", pair, GraphLimits(1, 512, 4))
+    assert set(results) == {"tensorrt_rtx:target.onnx", "tensorrt_rtx:draft.onnx"}
+    assert all(outcome.startswith("parsed and built") for outcome in results.values()), results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_info() is None or tensorrt_version() is None, reason="needs an NVIDIA GPU and TensorRT")
+def test_tensorrt_engine_matches_torch_greedy(tmp_path_factory):
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.runtime.session import Session
+
+    engine = built_engine(tmp_path_factory.getbasetemp(), "trt", backend="tensorrt")
+    params = SamplingParams(max_new_tokens=64)
+    expected = Session.load(engine, "torch").generate("Once upon a time", params).token_ids
+    assert Session.load(engine, "tensorrt").generate("Once upon a time", params).token_ids == expected
