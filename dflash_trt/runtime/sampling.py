@@ -15,8 +15,9 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k
     """Shapes: logits ``[..., V]`` -> probabilities ``[..., V]`` (float32, rows sum to 1)."""
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        # exactly k survivors (ties at the k-th value broken by topk's order, as the reference does)
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)

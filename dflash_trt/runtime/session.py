@@ -71,10 +71,12 @@ class Session:
     def __init__(self, pair: ModelPair, *, backend: str = "torch", max_seq_len: int | None = None,
                  engine=None, max_batch: int = 1, speculation: SpeculationConfig | None = None) -> None:
         limit = pair.target.config.max_position_embeddings
+        if pair.draft is not None:  # the drafter's RoPE table covers its own max_position_embeddings
+            limit = min(limit, pair.draft.config.max_position_embeddings)
         self.max_seq_len = max_seq_len or min(limit, 8192)
         if self.max_seq_len > limit:
-            raise RequestError(f"max_seq_len is {self.max_seq_len}; expected <= the target's "
-                               f"max_position_embeddings {limit}. Fix: pass a smaller --max-seq-len.")
+            raise RequestError(f"max_seq_len is {self.max_seq_len}; expected <= {limit}, the max_position_embeddings "
+                               "of the target (and drafter). Fix: pass a smaller --max-seq-len.")
         self.pair = pair
         self.engine = engine
         self.speculation = speculation or SpeculationConfig()

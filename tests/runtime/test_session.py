@@ -81,7 +81,7 @@ def test_request_that_exactly_fills_the_context_runs_to_length(short_context):
 def test_max_seq_len_beyond_the_target_is_refused(zoo):
     target = TargetSpec()
     pair = load_pair(zoo.target(target))
-    with pytest.raises(RequestError, match="max_seq_len is 4096.*max_position_embeddings 512.*Fix"):
+    with pytest.raises(RequestError, match="max_seq_len is 4096.*expected <= 512.*max_position_embeddings.*Fix"):
         Session(pair, max_seq_len=4096)
 
 
