@@ -236,6 +236,7 @@ class RequestHandle:
         self._cancelled = threading.Event()
         self._consume = threading.Lock()
         self._text = ""
+        self._prefix_offset = self._read_offset = 0  # incremental detokenization window
         self._submitted = time.perf_counter()
 
     def _deliver(self, item: Cycle | BaseException | None) -> None:
@@ -270,11 +271,31 @@ class RequestHandle:
         self.token_ids += cycle.tokens
         stats.num_output_tokens = len(self.token_ids)
         stats.e2e_s = arrived - self._submitted
-        full = self._decode_text(self.token_ids, self.prompt_ids[-1])
-        delta, self._text = full[len(self._text):], full
+        delta = self._text_delta(cycle.finished)
         if cycle.finished:
             self.finish_reason = "stop" if cycle.stopped else "length"
         return StreamChunk(cycle.tokens, delta, cycle.finished, self.finish_reason)
+
+    def _text_delta(self, final: bool) -> str:
+        """New text since the last chunk, decoding only a small window (O(chunk), not O(output)).
+
+        Text ending in an incomplete UTF-8 character waits for the next chunk; the final chunk
+        flushes everything, so the chunks always concatenate to the full decode.
+        """
+        if final:
+            full = self._decode_text(self.token_ids, self.prompt_ids[-1])
+            delta, self._text = full[len(self._text):], full
+            return delta
+        window = self.token_ids[self._prefix_offset:]
+        before = self.token_ids[self._prefix_offset - 1] if self._prefix_offset else self.prompt_ids[-1]
+        prefix_text = self._decode_text(self.token_ids[self._prefix_offset:self._read_offset], before)
+        new_text = self._decode_text(window, before)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._text += delta
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        return delta
 
     def result(self) -> GenerationResult:
         """Wait for the end of the request (consuming any chunks not yet iterated)."""
