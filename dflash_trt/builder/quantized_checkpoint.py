@@ -1,0 +1,337 @@
+"""A target quantised to FP8 or NVFP4 in the ModelOpt HF export format: make it, write it, read it, run it.
+
+The folder is what ``modelopt.torch.export.export_hf_checkpoint`` (0.47.0) writes and what
+TensorRT-LLM's PyTorch backend, vLLM and SGLang read (serving.md §3.1):
+
+- ``config.json``: an HF Llama/Qwen3 config plus ``quantization_config`` (``quant_method: modelopt``);
+- ``hf_quant_config.json``: ``{"producer", "quantization": {quant_algo, kv_cache_quant_algo,
+  group_size (NVFP4), exclude_modules}}``;
+- ``model.safetensors``: HF tensor names (``model.layers.{i}.self_attn.q_proj.weight`` ...), each
+  quantised linear with ``weight``, ``weight_scale``, ``input_scale`` and, for NVFP4, ``weight_scale_2``.
+
+What is quantised follows ModelOpt's defaults: the decoder linears (q/k/v/o/gate/up/down); the
+embedding, the norms and ``lm_head`` stay in the model dtype and are listed in ``exclude_modules``.
+NVFP4 also excludes a linear whose input dim is not a multiple of 16 (ModelOpt's export refuses
+it; stories260K's ``down_proj`` has 172 inputs). As ModelOpt does for NVFP4, siblings that read the
+same input (q/k/v, gate/up) share ``weight_scale_2`` and ``input_scale`` (max of their amaxes),
+so a fused QKV/gate-up GEMM can use one global scale; FP8 scales stay per linear.
+
+Static activation scales come from calibration, as ModelOpt's max calibrator does: the
+unquantised target runs over a batch of token ids and each linear records ``max |input|``.
+
+At run time on CPU a quantised linear is a float32 GEMM on the dequantised weight; with
+``activations="quantized"`` its input is first quantised and dequantised with ``input_scale``
+(W8A8 / W4A4 as served). On a GPU the same tensors feed an FP8 GEMM (``torch._scaled_mm``, see
+:class:`Fp8Linear`) or TensorRT-LLM's FP4 GEMM. Speculative decoding stays lossless relative to
+*this quantised target*: it reproduces the quantised target's greedy output, not the float model's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from dflash_trt import __version__
+from dflash_trt.builder import quantize as q
+from dflash_trt.builder.hf_config import parse_target_config
+from dflash_trt.builder.safe_files import read_json, read_tensors, safetensors_files
+from dflash_trt.config import TargetConfig
+from dflash_trt.errors import CheckpointFormatError
+from dflash_trt.model.target import TargetModel
+from dflash_trt.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer
+
+LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+"""Per decoder layer, the linears that are quantised (ModelOpt's default ``*`` minus the excluded heads)."""
+SHARED_INPUT_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+"""Siblings that read one input; NVFP4 unifies their global and input scales (ModelOpt ``preprocess_linear_fusion``)."""
+ALWAYS_EXCLUDED = ("lm_head", "model.embed_tokens")
+QUANT_ALGOS: dict[str, str] = {"fp8": "FP8", "nvfp4": "NVFP4"}
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+Activations = Literal["quantized", "float"]
+
+
+def calibration_batch(tokenizer: Tokenizer, texts: Sequence[str], length: int) -> Tensor:
+    """Token ids of every text with at least ``length`` tokens, cut to ``length``. Shape ``[N, T]`` int64."""
+    rows = [ids[:length] for ids in (tokenizer.encode(text) for text in texts) if len(ids) >= length]
+    if not rows:
+        raise ValueError(f"no calibration text has {length} tokens; pass longer texts or a smaller length")
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@torch.inference_mode()
+def calibrate_input_amax(model: TargetModel, calibration: Tensor) -> dict[str, Tensor]:
+    """``max |x|`` of the input of every decoder linear over the calibration tokens, keyed ``layers.{i}.{name}``.
+
+    The float model runs unquantised (ModelOpt calibrates with quantisation off). Shapes:
+    calibration ``[N, T]`` token ids -> fp32 scalars.
+    """
+    amaxes: dict[str, Tensor] = {}
+    hooks = []
+    for index, layer in enumerate(model.layers):
+        for name in LINEAR_NAMES:
+            key = f"layers.{index}.{name}"
+
+            def record(_module: nn.Module, args: tuple[Tensor, ...], key: str = key) -> None:
+                seen = q.amax(args[0])
+                amaxes[key] = torch.maximum(amaxes[key], seen) if key in amaxes else seen
+
+            hooks.append(layer.get_submodule(name).register_forward_pre_hook(record))
+    try:
+        cache = model.new_cache(1, calibration.shape[1])
+        for row in calibration:  # one sequence at a time keeps memory at one row of activations
+            cache.reset()
+            model(row.view(1, -1), 0, cache)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return amaxes
+
+
+def quantize_target(model: TargetModel, mode: q.QuantMode, calibration: Tensor) -> tuple[dict[str, Tensor], dict]:
+    """Quantise the decoder linears of ``model`` and return (export state dict, ``hf_quant_config``).
+
+    The state dict holds every tensor of the HF checkpoint under its HF name: quantised linears as
+    ``weight``/``weight_scale``/[``weight_scale_2``]/``input_scale`` (formulas in ``quantize.py``), all
+    others unchanged. Shapes: calibration ``[N, T]`` token ids (see :func:`calibrate_input_amax`).
+    """
+    if mode not in QUANT_ALGOS:
+        raise ValueError(f"quantization mode is {mode!r}; expected one of {sorted(QUANT_ALGOS)}")
+    input_amax = calibrate_input_amax(model, calibration)
+    state = {_hf_name(name): t.detach() for name, t in model.state_dict().items()
+             if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+    excluded: list[str] = []
+    for index, layer in enumerate(model.layers):
+        weight_amax = {name: q.amax(layer.get_submodule(name).weight) for name in LINEAR_NAMES}
+        act_amax = {name: input_amax[f"layers.{index}.{name}"] for name in LINEAR_NAMES}
+        if mode == "nvfp4":
+            for group in SHARED_INPUT_GROUPS:
+                for amaxes in (weight_amax, act_amax):
+                    shared = torch.stack([amaxes[name] for name in group]).max()
+                    amaxes.update(dict.fromkeys(group, shared))
+        for name in LINEAR_NAMES:
+            prefix = f"model.layers.{index}.{name}"
+            weight = layer.get_submodule(name).weight
+            if mode == "nvfp4" and weight.shape[1] % q.NVFP4_BLOCK:
+                excluded.append(prefix)
+                continue
+            state[prefix + ".input_scale"] = q.input_scale(act_amax[name], mode)
+            if mode == "fp8":
+                state[prefix + ".weight"], state[prefix + ".weight_scale"] = q.quantize_fp8(
+                    weight, q.fp8_scale(weight_amax[name]))
+            else:
+                packed, block_scales, global_scale = q.quantize_nvfp4(weight, q.nvfp4_global_scale(weight_amax[name]))
+                state[prefix + ".weight"], state[prefix + ".weight_scale"] = packed, block_scales
+                state[prefix + ".weight_scale_2"] = global_scale
+    if len(excluded) == len(model.layers) * len(LINEAR_NAMES):
+        raise ValueError(f"no linear of this target can be {QUANT_ALGOS[mode]}-quantised (input dims are not "
+                         f"multiples of {q.NVFP4_BLOCK}); use mode 'fp8'")
+    return state, hf_quant_config(mode, excluded)
+
+
+def hf_quant_config(mode: q.QuantMode, excluded: Sequence[str] = ()) -> dict:
+    """``hf_quant_config.json`` as ModelOpt 0.47.0 writes it; ``exclude_modules`` sorted as it sorts them."""
+    quantization: dict[str, Any] = {"quant_algo": QUANT_ALGOS[mode], "kv_cache_quant_algo": None}
+    if mode == "nvfp4":
+        quantization["group_size"] = q.NVFP4_BLOCK
+    quantization["exclude_modules"] = sorted({*ALWAYS_EXCLUDED, *excluded})
+    return {"producer": {"name": "dflash_trt", "version": __version__}, "quantization": quantization}
+
+
+def quantization_config(quant_config: dict) -> dict:
+    """The ``config.json`` ``quantization_config`` block ModelOpt derives from ``hf_quant_config`` (FP8, NVFP4)."""
+    details = quant_config["quantization"]
+    algo = details["quant_algo"]
+    if algo == "FP8":
+        spec: dict[str, Any] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        group = {"input_activations": spec, "weights": dict(spec), "targets": ["Linear"]}
+    else:
+        spec = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": details["group_size"]}
+        group = {"input_activations": spec, "weights": dict(spec), "targets": ["Linear"]}
+    return {"config_groups": {"group_0": group}, "ignore": list(details["exclude_modules"]), "quant_algo": algo,
+            "producer": quant_config["producer"], "quant_method": "modelopt"}
+
+
+def hf_config_json(config: TargetConfig, dtype: str = "float32") -> dict:
+    """An HF ``config.json`` for ``config`` that ``parse_target_config`` (and transformers) read back."""
+    architecture, model_type = _ARCHITECTURES[config.family]
+    rope: dict[str, Any] | None = None
+    if config.rope.kind != "default":
+        rope = {"rope_type": config.rope.kind, "factor": config.rope.factor}
+        if config.rope.kind == "llama3":
+            rope |= {"low_freq_factor": config.rope.low_freq_factor, "high_freq_factor": config.rope.high_freq_factor,
+                     "original_max_position_embeddings": config.rope.original_max_position_embeddings}
+    return {
+        "architectures": [architecture], "model_type": model_type, "hidden_act": "silu",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope.theta,
+        "rope_scaling": rope, "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) != 1 else config.eos_token_ids[0],
+        "dtype": dtype,
+    }
+
+
+def save_quantized_target(folder: str | Path, config: TargetConfig, state: dict[str, Tensor], quant_config: dict,
+                          tokenizer_file: Path | None = None) -> Path:
+    """Write ``config.json``, ``hf_quant_config.json`` and ``model.safetensors`` (+ a copy of ``tokenizer_file``)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_config = hf_config_json(config) | {"quantization_config": quantization_config(quant_config)}
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    (folder / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=4) + "\n")
+    save_file({name: t.contiguous() for name, t in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    if tokenizer_file is not None:
+        (folder / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
+    return folder
+
+
+def load_quantized_target(folder: str | Path, activations: Activations = "quantized",
+                          fp8_gemm: bool = False) -> tuple[TargetModel, Tokenizer | None]:
+    """Read an export folder into a ``TargetModel`` whose decoder linears run the stored quantised weights.
+
+    ``fp8_gemm`` runs FP8 linears through ``torch._scaled_mm`` (:class:`Fp8Linear`) instead of a
+    float GEMM on dequantised weights. The tokenizer is ``tokenizer.json`` or ``tok512.bin`` beside it.
+    """
+    folder = Path(folder)
+    config = parse_target_config(read_json(folder / "config.json", "target config.json"), str(folder / "config.json"))
+    quant_config = read_json(folder / "hf_quant_config.json", "hf_quant_config.json")
+    state = read_tensors(safetensors_files(folder))
+    model = dequantize_into(TargetModel(config), state, quant_config, activations, fp8_gemm, source=str(folder))
+    tokenizer: Tokenizer | None = None
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = HFTokenizer(folder / "tokenizer.json")
+    elif (folder / "tok512.bin").is_file():
+        tokenizer = Llama2cTokenizer(folder / "tok512.bin")
+    return model.eval(), tokenizer
+
+
+def dequantize_into(model: TargetModel, state: dict[str, Tensor], quant_config: dict,
+                    activations: Activations = "quantized", fp8_gemm: bool = False,
+                    source: str = "quantized state") -> TargetModel:
+    """Load an export state dict into ``model``: plain tensors as they are, quantised linears as modules.
+
+    Every tensor must be used and every parameter filled (strict), or ``CheckpointFormatError`` names them.
+    """
+    details = quant_config.get("quantization", {})
+    algo = details.get("quant_algo")
+    modes = {v: k for k, v in QUANT_ALGOS.items()}
+    if algo not in modes:
+        raise CheckpointFormatError(f"{source}: hf_quant_config `quantization.quant_algo` is {algo!r}; expected one "
+                                    f"of {sorted(modes)}. Fix: export with --quantize fp8 or nvfp4.")
+    mode = modes[algo]
+    remaining = dict(state)
+    for index, layer in enumerate(model.layers):
+        for name in LINEAR_NAMES:
+            prefix = f"model.layers.{index}.{name}"
+            if prefix + ".weight_scale" not in remaining:
+                continue  # excluded: a plain float linear, loaded below
+            tensors = {key.removeprefix(prefix + "."): remaining.pop(key) for key in list(remaining)
+                       if key.startswith(prefix + ".")}
+            parent_name, _, child = name.rpartition(".")
+            linear = layer.get_submodule(name)
+            module = _quantized_module(mode, tensors, tuple(linear.weight.shape), activations, fp8_gemm,
+                                       f"{source}: {prefix}")
+            setattr(layer.get_submodule(parent_name), child, module)
+    plain = {key.removeprefix("model."): tensor for key, tensor in remaining.items()}
+    quantized = {name for name, module in model.named_modules() if isinstance(module, (QuantizedLinear, Fp8Linear))}
+    expected = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    unknown, missing = sorted(set(plain) - set(expected)), sorted(set(expected) - set(plain))
+    if unknown or missing:
+        raise CheckpointFormatError(f"{source}: tensors do not match config.json: unknown {unknown[:6]}, missing "
+                                    f"{missing[:6]}. Fix: use the config.json saved with these weights.")
+    for name, tensor in plain.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointFormatError(f"{source}: tensor `{name}` has shape {tuple(tensor.shape)}; expected "
+                                        f"{tuple(expected[name].shape)}. Fix: re-export the model.")
+    model.load_state_dict({k: v.float() for k, v in plain.items()}, strict=False)
+    return model
+
+
+def _quantized_module(mode: q.QuantMode, tensors: dict[str, Tensor], shape: tuple[int, int], activations: Activations,
+                      fp8_gemm: bool, where: str) -> nn.Module:
+    """Check one linear's stored tensors against serving.md §3.1 and build its runtime module."""
+    out_features, in_features = shape
+    expected = {"weight": ((out_features, in_features), torch.float8_e4m3fn), "weight_scale": ((), torch.float32),
+                "input_scale": ((), torch.float32)}
+    if mode == "nvfp4":
+        expected |= {"weight": ((out_features, in_features // 2), torch.uint8),
+                     "weight_scale": ((out_features, in_features // q.NVFP4_BLOCK), torch.float8_e4m3fn),
+                     "weight_scale_2": ((), torch.float32)}
+    if "bias" in tensors:
+        expected["bias"] = ((out_features,), tensors["bias"].dtype)
+    if set(tensors) != set(expected):
+        raise CheckpointFormatError(f"{where}: holds {sorted(tensors)}; expected {sorted(expected)} for "
+                                    f"{QUANT_ALGOS[mode]}. Fix: re-export the checkpoint.")
+    for key, (want_shape, want_dtype) in expected.items():
+        if tuple(tensors[key].shape) != want_shape or tensors[key].dtype != want_dtype:
+            raise CheckpointFormatError(f"{where}.{key}: is {tensors[key].dtype} {tuple(tensors[key].shape)}; "
+                                        f"expected {want_dtype} {want_shape} (serving.md §3.1). Fix: re-export.")
+    bias = tensors["bias"].float() if "bias" in tensors else None
+    if mode == "fp8" and fp8_gemm:
+        return Fp8Linear(tensors["weight"], tensors["weight_scale"], tensors["input_scale"], bias)
+    if mode == "fp8":
+        weight = q.dequantize_fp8(tensors["weight"], tensors["weight_scale"])
+    else:
+        weight = q.dequantize_nvfp4(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"])
+    return QuantizedLinear(mode, weight, tensors["input_scale"], bias, activations == "quantized")
+
+
+class QuantizedLinear(nn.Module):
+    """A linear restored from the export format: float GEMM on the dequantised weight.
+
+    With ``quantize_inputs`` the input is first quantised and dequantised with ``input_scale``
+    (``quantize.fake_quantize_input``), so the product equals a W8A8 / W4A4 GEMM up to fp32 rounding.
+    Shapes: weight ``[out, in]`` (dequantised, float32); forward ``[..., in] -> [..., out]``.
+    """
+
+    def __init__(self, mode: q.QuantMode, weight: Tensor, input_scale: Tensor, bias: Tensor | None,
+                 quantize_inputs: bool) -> None:
+        super().__init__()
+        self.mode, self.quantize_inputs = mode, quantize_inputs
+        self.register_buffer("weight", weight)
+        self.register_buffer("input_scale", input_scale.float())
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.quantize_inputs:
+            x = q.fake_quantize_input(x, self.mode, self.input_scale).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+class Fp8Linear(nn.Module):
+    """FP8 W8A8 linear as served on a GPU: ``_scaled_mm(fp8(x / s_x), W_q^T, s_x, s_w)`` with fp32 output.
+
+    torch 2.13 runs ``_scaled_mm`` on CPU too (environment.md §4.1). Shapes: qweight float8_e4m3fn
+    ``[out, in]``; forward ``[..., in] -> [..., out]`` float32.
+    """
+
+    def __init__(self, qweight: Tensor, weight_scale: Tensor, input_scale: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("weight_scale", weight_scale.float())
+        self.register_buffer("input_scale", input_scale.float())
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = q.cast_fp8(x.reshape(-1, x.shape[-1]).float() / self.input_scale)
+        out = torch._scaled_mm(flat, self.qweight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                               bias=self.bias, out_dtype=torch.float32)
+        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def _hf_name(name: str) -> str:
+    """Our state-dict key -> the HF checkpoint key (``model.`` prefix except ``lm_head``)."""
+    return name if name.startswith("lm_head.") else "model." + name
