@@ -148,7 +148,15 @@ def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer)
     draft = pair.draft.config
     block_len = min(limits.block_len, draft.block_size)
     bundle = work / "trtllm"
-    notes = _write_hf_target(pair, bundle / "target", tokenizer)
+    quantized = work / "quant" / "target"
+    if quantization.mode != "none" and quantized.is_dir():  # the ModelOpt export TRT-LLM reads natively
+        shutil.copytree(quantized, bundle / "target")
+        notes = [] if tokenizer is not None and tokenizer[0] == "hf" else [
+            "trtllm/target has no tokenizer.json: pass `--tokenizer DIR` to trtllm-serve or use token-id prompts"]
+        if tokenizer is not None and tokenizer[0] == "hf":
+            shutil.copyfile(tokenizer[1], bundle / "target" / "tokenizer.json")
+    else:
+        notes = _write_hf_target(pair, bundle / "target", tokenizer)
     save_draft_checkpoint(pair.draft, bundle / "draft")
     options = {
         "max_batch_size": limits.max_batch_size,
@@ -170,9 +178,6 @@ def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer)
     checks = {"trtllm_options": f"validated against the documented DFlashDecodingConfig/TorchLlmArgs fields "
                                 f"(TensorRT-LLM {MIN_TRTLLM})"}
     pending = list(notes)
-    if quantization.mode != "none":
-        pending.append(f"trtllm/target holds the {quantization.mode}-dequantized float32 weights, not a ModelOpt "
-                       "checkpoint; serve the ModelOpt export instead for real FP8/NVFP4 kernels")
     if gpu_info() is None:
         pending.append("serving the bundle needs an NVIDIA GPU and TensorRT-LLM >= "
                        f"{MIN_TRTLLM} (tensorrt_llm cannot be installed on CPU machines); the bundle is written and "

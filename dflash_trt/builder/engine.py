@@ -61,6 +61,7 @@ _ROLES_BACKENDS: dict[str, tuple[BackendName, ...]] = {
     "trtllm_target": ("trtllm",),
     "trtllm_draft": ("trtllm",),
     "quant_config": ("torch", "onnxruntime", "tensorrt", "trtllm"),
+    "quant_target": ("torch", "onnxruntime", "tensorrt", "trtllm"),
 }
 
 
@@ -162,7 +163,7 @@ def _role_of(relative: str, drafter_graph: str) -> str:
              "trtllm/llm_api_options.yaml": "trtllm_config", "quantization.json": "quant_config"}
     if relative in table:
         return table[relative]
-    prefixes = [("torch/draft/", "draft_weights"), ("tokenizer/", "tokenizer"), ("onnx/", "graph_weights"),
+    prefixes = [("torch/draft/", "draft_weights"), ("quant/target/", "quant_target"), ("tokenizer/", "tokenizer"), ("onnx/", "graph_weights"),
                 ("tensorrt/csrc/", "plugin_source"), ("tensorrt/", "plugin_library"), ("trtllm/target/", "trtllm_target"),
                 ("trtllm/draft/", "trtllm_draft")]
     return next(role for prefix, role in prefixes if relative.startswith(prefix))
@@ -178,17 +179,54 @@ def _artefacts(work: Path, drafter_graph: str) -> tuple[Artefact, ...]:
     return tuple(rows)
 
 
-def _quantize(pair: ModelPair, mode: str) -> tuple[ModelPair, Quantization]:
-    """Hook into ``builder/quantize.py`` (quantization numerics are built there, not here)."""
-    if mode == "none":
-        return pair, Quantization(mode="none")
-    from dflash_trt.builder import quantize
+CALIBRATION_TEXTS = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine.",
+    "One day, a little boy named Tim went to the park with his mom. He saw a big red ball under a tree.",
+    "The cat and the dog were best friends. Every morning they walked to the river to drink water together.",
+    "Ben wanted to build a tall tower with his blocks, but it kept falling down. His sister came to help him.",
+)
+"""Default calibration prompts (in-domain for the embedded target); targets without a tokenizer use random ids."""
+_CALIBRATION_LENGTH = 16
 
-    apply = getattr(quantize, "quantize_target", None)
-    if apply is None:
-        raise RequestError(f"--quant {mode}: this dflash-trt has the {mode} numerics but no `quantize_target` yet "
-                           "(builder/quantize.py). Fix: build with --quant none for now.")
-    return apply(pair, mode)
+
+def _quantize(pair: ModelPair, mode: str, work: Path) -> tuple[ModelPair, Quantization]:
+    """Quantize the target's decoder linears (``builder/quantized_checkpoint.py``, ModelOpt format).
+
+    The ModelOpt export folder is written to ``quant/target/``; every backend of this engine then runs the
+    weights dequantized from those stored FP8/NVFP4 tensors with float activations (W8A16 / W4A16
+    emulation on CPU), so torch, ONNX Runtime and TensorRT run numerically the same quantized target.
+    """
+    from dflash_trt.builder import quantized_checkpoint as qc
+    from dflash_trt.builder.target_checkpoint import _strict_load
+    from dflash_trt.model.target import TargetModel
+
+    cfg = pair.target.config
+    calibration = None
+    if pair.tokenizer is not None:
+        try:
+            calibration = qc.calibration_batch(pair.tokenizer, CALIBRATION_TEXTS, _CALIBRATION_LENGTH)
+        except ValueError:
+            calibration = None
+    if calibration is None:
+        generator = torch.Generator().manual_seed(0)
+        calibration = torch.randint(0, cfg.vocab_size, (8, _CALIBRATION_LENGTH), generator=generator)
+    state, quant_config = qc.quantize_target(pair.target, mode, calibration)
+    folder = qc.save_quantized_target(work / "quant" / "target", cfg, state, quant_config)
+    restored, _ = qc.load_quantized_target(folder, activations="float")
+    plain = TargetModel(cfg)
+    weights = {k: v for k, v in restored.state_dict().items() if not k.endswith(".input_scale")}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    _strict_load(plain, weights, str(folder))
+    details = quant_config["quantization"]
+    quantization = Quantization(
+        mode=mode, quant_algo=details["quant_algo"], group_size=details.get("group_size"),
+        kv_cache_quant_algo=details.get("kv_cache_quant_algo"), exclude_modules=tuple(details["exclude_modules"]),
+        details={"checkpoint": "quant/target (ModelOpt HF export format)",
+                 "activations": "float: every backend runs the weights dequantized from the stored tensors "
+                                "(weight-only emulation); input_scale is stored for FP8/FP4 GEMMs on a GPU",
+                 "calibration": f"{calibration.shape[0]} x {calibration.shape[1]} tokens"})
+    return ModelPair(plain.eval(), pair.draft, pair.tokenizer, pair.target_path, pair.draft_path), quantization
 
 
 def _atomic_replace(work: Path, out: Path) -> None:
@@ -239,7 +277,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     draft_path = config.draft if config.draft is not None else (embedded_draft_path() if config.target is None
                                                                  else None)
     pair: ModelPair = step("load checkpoints", lambda: load_pair(config.target, config.draft, dtype="float32"))
-    pair, quantization = step(f"quantize ({config.quant})", lambda: _quantize(pair, config.quant)) \
+    pair, quantization = step(f"quantize ({config.quant})", lambda: _quantize(pair, config.quant, work)) \
         if config.quant != "none" else (pair, Quantization(mode="none"))
     target_cfg = pair.target.config
     draft_cfg = pair.draft.config if pair.draft is not None else None

@@ -32,7 +32,8 @@ BackendName = Literal["torch", "onnxruntime", "tensorrt", "trtllm"]
 QuantName = Literal["none", "fp8", "nvfp4"]
 ArtefactRole = Literal["target_weights", "draft_weights", "tokenizer", "target_graph", "draft_graph",
                        "draft_graph_plugin", "graph_weights", "target_plan", "draft_plan", "plugin_library",
-                       "plugin_source", "trtllm_config", "trtllm_target", "trtllm_draft", "quant_config"]
+                       "plugin_source", "trtllm_config", "trtllm_target", "trtllm_draft", "quant_config",
+                       "quant_target"]
 
 
 class SourceRecord(BaseModel):

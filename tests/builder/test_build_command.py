@@ -77,3 +77,20 @@ def test_trtllm_on_cpu_writes_a_valid_bundle_and_stops_with_the_gpu_message(tmp_
     validate_options(options, drafter_block_size=4, source="test")
     hf = json.loads((out / "trtllm" / "target" / "config.json").read_text())
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_quantized_onnxruntime_engine_matches_torch_on_the_same_quantized_weights(tmp_path_factory, quant):
+    pytest.importorskip("onnxruntime")
+    root = tmp_path_factory.getbasetemp()
+    out = root / f"cli-{quant}"
+    assert _build(root, out, "--backend", "onnxruntime", "--quant", quant).exit_code == 0
+    manifest = read_manifest(out)
+    assert manifest.quantization.quant_algo == quant.upper() and manifest.artefact("quant_target") is not None
+    runs = {}
+    for backend in ("onnxruntime", "torch"):
+        run = CliRunner().invoke(main, ["run", "--engine", str(out), "--backend", backend, "--prompt", "Once upon",
+                                        "--max-new-tokens", "40", "--json"])
+        assert run.exit_code == 0, run.output
+        runs[backend] = json.loads(run.output)["token_ids"]
+    assert runs["onnxruntime"] == runs["torch"]
