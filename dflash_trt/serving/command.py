@@ -101,12 +101,15 @@ def export_command(engine, backend, target, draft, repo, name, streaming, instan
               help="Seconds to wait for every model to load.")
 @click.option("--log-verbose", type=int, default=0, show_default=True, help="tritonserver --log-verbose level.")
 def serve_command(repo, http_port, grpc_port, metrics_port, ready_timeout, log_verbose) -> None:
-    """Run the tritonserver bundled in nvidia-pytriton on 127.0.0.1 until Ctrl-C, then stop it cleanly."""
+    """Run the tritonserver bundled in nvidia-pytriton on 127.0.0.1 until Ctrl-C (or SIGTERM), then stop it."""
+    import signal
+
     from dflash_trt.errors import ServingError
     from dflash_trt.serving.triton_server import TritonServer
 
     server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port or None,
                           log_verbose=log_verbose)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, docker stop, systemd: the same clean stop as Ctrl-C
     try:
         server.start()
         server.wait_ready(ready_timeout)
@@ -120,3 +123,7 @@ def serve_command(repo, http_port, grpc_port, metrics_port, ready_timeout, log_v
         click.echo("stopping tritonserver ...", err=True)
     finally:
         server.stop()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -16,6 +16,7 @@ import torch
 
 NON_STREAMING = "dflash"
 STREAMING = "dflash_stream"
+FROM_ENGINE = "dflash_engine"
 READY_TIMEOUT_S = 90.0
 
 
@@ -61,17 +62,34 @@ def reference_session(stories_pair):
 
 
 @pytest.fixture(scope="session")
-def triton_repo(tmp_path_factory: pytest.TempPathFactory, stories_pair) -> Path:
-    """A repository with both variants, written through the real CLI."""
+def stories_engine(tmp_path_factory: pytest.TempPathFactory, stories_pair) -> Path:
+    """A torch-backend engine folder of the pair, built by `dflash-trt build` (well under a second)."""
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    out = tmp_path_factory.mktemp("engines") / "stories260K-torch"
+    target, draft = stories_pair
+    result = CliRunner().invoke(main, ["build", "--target", str(target), "--draft", str(draft), "--out", str(out),
+                                       "--backend", "torch", "--json"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="session")
+def triton_repo(tmp_path_factory: pytest.TempPathFactory, stories_pair, stories_engine) -> Path:
+    """A repository with the plain and streaming variants (checkpoints) and one engine-backed model, written
+    through the real CLI."""
     from click.testing import CliRunner
 
     from dflash_trt.cli import main
 
     repo = tmp_path_factory.mktemp("model_repository")
     target, draft = stories_pair
-    for name, extra in ((NON_STREAMING, []), (STREAMING, ["--streaming"])):
-        result = CliRunner().invoke(main, ["triton", "export", "--target", str(target), "--draft", str(draft),
-                                           "--repo", str(repo), "--name", name, *extra])
+    checkpoints = ["--target", str(target), "--draft", str(draft)]
+    for name, extra in ((NON_STREAMING, checkpoints), (STREAMING, [*checkpoints, "--streaming"]),
+                        (FROM_ENGINE, ["--engine", str(stories_engine), "--backend", "torch"])):
+        result = CliRunner().invoke(main, ["triton", "export", "--repo", str(repo), "--name", name, *extra])
         assert result.exit_code == 0, result.output
     return repo
 

@@ -16,7 +16,7 @@ import pytest
 
 from dflash_trt.config import SamplingParams
 
-from .conftest import NON_STREAMING, STREAMING
+from .conftest import FROM_ENGINE, NON_STREAMING, STREAMING
 
 TIMEOUT_S = 60
 PROMPTS = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were", "The sun was"]
@@ -67,7 +67,7 @@ def assert_matches(answer: dict, result) -> None:
 
 
 def test_server_is_ready_and_serves_the_exported_config(triton_server):
-    for model in (NON_STREAMING, STREAMING):
+    for model in (NON_STREAMING, STREAMING, FROM_ENGINE):
         with urllib.request.urlopen(f"{triton_server.http_url}/v2/models/{model}/config", timeout=10) as response:
             config = json.loads(response.read())
         assert config["name"] == model
@@ -80,6 +80,12 @@ def test_generate_endpoint_equals_session_generate(triton_server, reference_sess
     status, answer = generate(triton_server, {"text_input": prompt, "max_tokens": 24})
     assert status == 200, answer
     assert_matches(answer, expected(reference_session, prompt, max_new_tokens=24))
+
+
+def test_engine_backed_model_loads_with_session_load_and_equals_session_generate(triton_server, reference_session):
+    status, answer = generate(triton_server, {"text_input": PROMPTS[0], "max_tokens": 24}, model=FROM_ENGINE)
+    assert status == 200, answer
+    assert_matches(answer, expected(reference_session, PROMPTS[0], max_new_tokens=24))
 
 
 def test_sampled_request_equals_session_generate_with_the_same_seed(triton_server, reference_session):

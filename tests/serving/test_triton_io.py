@@ -1,0 +1,104 @@
+"""The model's tensor contract without a server: request tensors -> SamplingParams, results -> output arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_trt.config import SamplingParams
+from dflash_trt.errors import RequestError
+from dflash_trt.serving import triton_io as io
+
+
+def reader(**inputs):
+    """A request as Triton hands it to the model: numpy arrays with a leading batch dimension of 1."""
+    arrays = {}
+    for name, value in inputs.items():
+        if isinstance(value, np.ndarray):
+            arrays[name] = value
+        elif isinstance(value, (str, bytes, list)):
+            items = value if isinstance(value, list) else [value]
+            arrays[name] = np.array([[v.encode() if isinstance(v, str) else v for v in items]], dtype=np.object_)
+        else:
+            arrays[name] = np.array([[value]])
+    return arrays.get
+
+
+@pytest.fixture(scope="module")
+def parser(reference_session):
+    return io.RequestParser(reference_session)
+
+
+def test_every_input_maps_to_its_sampling_field(parser):
+    job = parser.parse(reader(text_input="Once upon a time", max_tokens=np.array([[9]], np.int32),
+                              temperature=np.array([[0.5]], np.float32), top_p=np.array([[0.75]], np.float32),
+                              top_k=np.array([[20]], np.int32), seed=np.array([[3]], np.uint64),
+                              block_len=np.array([[2]], np.int32), stream=np.array([[True]])))
+    assert job.prompt == "Once upon a time" and job.stream is True
+    assert job.params == SamplingParams(max_new_tokens=9, temperature=0.5, top_p=0.75, top_k=20, seed=3, block_len=2)
+
+
+def test_optional_inputs_fall_back_to_sampling_defaults(parser):
+    job = parser.parse(reader(text_input="Hi", max_tokens=5))
+    assert job.params == SamplingParams(max_new_tokens=5) and job.stream is False
+
+
+@pytest.mark.parametrize(("inputs", "mentions"), [
+    (dict(max_tokens=5), "`text_input` is missing"),
+    (dict(text_input="Hi"), "`max_tokens` is missing"),
+    (dict(text_input="", max_tokens=5), "empty"),
+    (dict(text_input=["a", "b"], max_tokens=5), "2 elements"),
+    (dict(text_input=b"\xff\xfe", max_tokens=5), "UTF-8"),
+    (dict(text_input="Hi", max_tokens=-1), "max_new_tokens"),
+    (dict(text_input="Hi", max_tokens=5, top_p=0.0), "top_p"),
+    (dict(text_input="Hi", max_tokens=5, stop_words=["no such word"]), "single token"),
+])
+def test_bad_inputs_raise_a_request_error_naming_the_problem(parser, inputs, mentions):
+    with pytest.raises(RequestError, match=mentions):
+        parser.parse(reader(**inputs))
+
+
+def test_stop_words_add_every_token_with_that_text_to_the_eos_ids(parser, reference_session):
+    job = parser.parse(reader(text_input="Hi", max_tokens=5, stop_words=[".", "!"]))
+    texts = [reference_session.decode_text([t]) for t in job.params.stop_token_ids]
+    eos = reference_session.pair.target.config.eos_token_ids
+    assert job.params.stop_token_ids[:len(eos)] == tuple(eos)
+    assert set(texts[len(eos):]) == {".", "!"} and len(texts) - len(eos) >= 2
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_result_outputs_carry_text_ids_and_speculation_counters(reference_session, batched):
+    result = reference_session.generate("Once upon a time", SamplingParams(max_new_tokens=10))
+    outputs = io.result_outputs(result, batched)
+    assert set(outputs) == {t.name for t in io.OUTPUTS}
+    lead = (1,) if batched else ()
+    assert outputs["text_output"].shape == lead + (1,) and outputs["output_ids"].shape == lead + (10,)
+    assert outputs["text_output"].reshape(-1)[0].decode() == result.text
+    assert outputs["output_ids"].reshape(-1).tolist() == result.token_ids
+    assert outputs["num_draft_tokens"].reshape(-1).tolist() == [result.stats.num_draft_tokens]
+    assert outputs["num_accepted_draft_tokens"].reshape(-1).tolist() == [result.stats.num_accepted_tokens]
+    assert outputs["acceptance_length"].reshape(-1)[0] == pytest.approx(result.stats.mean_acceptance_length)
+    assert outputs["acceptance_lengths"].reshape(-1).tolist() == result.stats.acceptance_lengths
+    for spec in io.OUTPUTS:  # dtypes match the config: what Triton checks on every response
+        kind = {"TYPE_STRING": "O", "TYPE_INT32": "i", "TYPE_FP32": "f"}[spec.data_type]
+        assert outputs[spec.name].dtype.kind == kind
+
+
+def test_deferred_handle_streams_what_generate_returns(reference_session):
+    params = SamplingParams(max_new_tokens=12)
+    handle = io.DeferredGeneration(reference_session, "Lily and Ben were", params)
+    chunks = list(handle)
+    result = io.DeferredGeneration(reference_session, "Lily and Ben were", params).result()
+    assert "".join(c.text for c in chunks) == result.text
+    assert [t for c in chunks for t in c.token_ids] == result.token_ids
+    assert handle.stats.num_draft_tokens == result.stats.num_draft_tokens and chunks[-1].finished
+
+
+@pytest.mark.parametrize(("decoupled", "streaming", "ok"), [(True, "true", True), (False, "false", True),
+                                                            (False, "true", False), (True, "false", False)])
+def test_policy_problem_only_when_decoupled_and_streaming_disagree(decoupled, streaming, ok):
+    settings = io.ModelSettings.from_model_config({
+        "name": "m", "max_batch_size": 8, "model_transaction_policy": {"decoupled": decoupled},
+        "parameters": {"streaming": {"string_value": streaming}, "engine_dir": {"string_value": "/e"}}})
+    assert settings.batched and settings.engine_dir == "/e" and settings.backend == "auto"
+    assert (settings.policy_problem() is None) is ok
