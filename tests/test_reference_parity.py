@@ -21,7 +21,7 @@ from dflash_trt.config import SamplingParams
 
 ATOL = 1e-5  # float32 draft logits of two implementations of the same network
 
-dflash_model = pytest.importorskip("dflash.model", reason="the reference implementation `dflash` 0.1.0 is not installed")
+dflash_model = pytest.importorskip("dflash.model", reason="the reference implementation dflash 0.1.0 is not installed")
 
 QWEN3 = TargetSpec(family="qwen3")  # 6 layers: default taps [1, 3]
 LLAMA = TargetSpec(family="llama", seed=1, num_layers=5)

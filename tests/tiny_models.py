@@ -99,9 +99,10 @@ def build_hf_target(spec: TargetSpec):
     """A random float32 transformers model for ``spec`` (deterministic in ``spec.seed``)."""
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
-    torch.manual_seed(spec.seed)
     cls = LlamaForCausalLM if spec.family == "llama" else Qwen3ForCausalLM
-    model = cls(hf_config(spec)).to(torch.float32).eval()
+    with torch.random.fork_rng(devices=[]):  # leave the global RNG as the test left it
+        torch.manual_seed(spec.seed)
+        model = cls(hf_config(spec)).to(torch.float32).eval()
     perturb_norms(model, spec.seed)
     return model
 
@@ -192,13 +193,12 @@ class Zoo:
             return self._drafters[key]
         if spec.config_overrides:  # same weights as the spec without overrides, edited config.json
             base = self.drafter(target, replace(spec, config_overrides=""))
-            folder = self.root / f"draft-{len(self._drafters)}"
+            folder = self.root / f"draft-{len(self._drafters)}"  # after building base, which takes a number
             shutil.copytree(base, folder)
             raw = json.loads((folder / "config.json").read_text())
             raw.update(json.loads(spec.config_overrides))
             (folder / "config.json").write_text(json.dumps(raw, indent=2))
         else:
-            folder = self.root / f"draft-{len(self._drafters)}"
             from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
             from dflash_trt.builder.load import load_target
             from dflash_trt.model.draft_head import DraftHead
@@ -207,9 +207,11 @@ class Zoo:
             if spec.distill_steps:
                 head = distill(target_model, spec)
             else:
-                torch.manual_seed(30_000 + spec.seed)
-                head = DraftHead(draft_config_for_spec(target_model.config, spec))
+                with torch.random.fork_rng(devices=[]):  # leave the global RNG as the test left it
+                    torch.manual_seed(30_000 + spec.seed)
+                    head = DraftHead(draft_config_for_spec(target_model.config, spec))
                 perturb_norms(head, spec.seed)
+            folder = self.root / f"draft-{len(self._drafters)}"
             save_draft_checkpoint(head, folder)
         self._drafters[key] = folder
         return folder

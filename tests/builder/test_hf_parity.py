@@ -74,6 +74,7 @@ def test_prefill_logits_equal_transformers(pair):
     expected = hf_forward(hf, ids).logits
     with torch.no_grad():
         logits, _ = ours(ids, 0, ours.new_cache(1, 64))
+    assert logits.shape == (1, 37, ours.config.vocab_size)
     torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
 
 
@@ -133,6 +134,7 @@ def test_taps_equal_transformers_hidden_states_at_layer_plus_one(pair):
     with torch.no_grad():
         _, taps = ours(ids, 0, ours.new_cache(1, 32), tap_ids=tap_ids)
     expected = torch.cat([hidden[l + 1] for l in tap_ids], dim=-1)
+    assert taps.shape == (1, 24, len(tap_ids) * ours.config.hidden_size)
     torch.testing.assert_close(taps, expected, rtol=0, atol=ATOL)
 
 

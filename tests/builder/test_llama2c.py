@@ -196,4 +196,5 @@ def test_incremental_decode_matches_the_numpy_forward_row_by_row():
         for position, token in enumerate(tokens):
             logits, _ = model(torch.tensor([[token]]), position, cache)
             rows.append(logits[0, 0].double().numpy())
+    assert cache.lengths == [len(tokens)]
     np.testing.assert_allclose(np.stack(rows), expected, rtol=0, atol=3e-5)

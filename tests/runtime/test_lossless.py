@@ -57,24 +57,25 @@ def cut_after_first(tokens: list[int], stop: tuple[int, ...]) -> list[int]:
     return tokens
 
 
-def check_lossless(zoo, target: TargetSpec, draft: DraftSpec, prompt: list[int], block_len: int,
-                   max_new_tokens: int, stop_index: int | None) -> list[int]:
-    """Speculative output == plain output (cut at the stop token); returns the acceptance lengths."""
+def speculative_and_plain(zoo, target: TargetSpec, draft: DraftSpec, prompt: list[int], block_len: int,
+                          max_new_tokens: int, stop_index: int | None):
+    """Run the pair speculatively and the target alone. The stop token (if any) is the plain output's token at
+    ``stop_index``. Returns (speculative result, plain tokens cut after the first stop, stop ids)."""
     plain = plain_greedy(zoo, target, prompt, max_new_tokens).token_ids
     assert len(plain) == max_new_tokens
     stop = (plain[stop_index],) if stop_index is not None and stop_index < len(plain) else ()
     expected = cut_after_first(plain, stop)
     if stop:
         assert plain_greedy(zoo, target, prompt, max_new_tokens, stop).token_ids == expected
-
     params = SamplingParams(max_new_tokens=max_new_tokens, block_len=block_len, stop_token_ids=stop)
-    result = zoo.session(target, draft).generate(prompt, params)
+    return zoo.session(target, draft).generate(prompt, params), expected, stop
 
-    assert result.token_ids == expected
+
+def assert_cycle_invariants(result, block_len: int, stop: tuple[int, ...]) -> None:
+    """1 + Σ acceptance_lengths == new tokens; each cycle commits 1..block_len tokens; the finish reason."""
     assert 1 + sum(result.acceptance_lengths) == len(result.token_ids)
     assert all(1 <= length <= block_len for length in result.acceptance_lengths)
     assert result.finish_reason == ("stop" if stop else "length")
-    return result.acceptance_lengths
 
 
 def record_coverage(draft: DraftSpec, request: tuple[int, int, int | None], lengths: list[int]) -> None:
@@ -106,7 +107,10 @@ def decoding(draw) -> tuple[int, int, int | None]:
 @given(pair=st.sampled_from(RANDOM_PAIRS), prompt=prompts, request=decoding())
 def test_random_drafter_output_equals_plain_greedy(zoo, pair, prompt, request):
     target, draft = pair
-    record_coverage(draft, request, check_lossless(zoo, target, draft, prompt, *request))
+    result, expected, stop = speculative_and_plain(zoo, target, draft, prompt, *request)
+    assert result.token_ids == expected
+    assert_cycle_invariants(result, request[0], stop)
+    record_coverage(draft, request, result.acceptance_lengths)
 
 
 @settings(max_examples=40)
@@ -122,7 +126,10 @@ def test_distilled_drafter_output_equals_plain_greedy(zoo, distilled_pairs, choi
         prompt = training_prompts(draft.seed, draft.distill_prompts)[index]
         if offset:
             prompt = prompt + plain_greedy(zoo, target, prompt, offset).token_ids
-    record_coverage(draft, request, check_lossless(zoo, target, draft, prompt, *request))
+    result, expected, stop = speculative_and_plain(zoo, target, draft, prompt, *request)
+    assert result.token_ids == expected
+    assert_cycle_invariants(result, request[0], stop)
+    record_coverage(draft, request, result.acceptance_lengths)
 
 
 @pytest.mark.parametrize("pair", range(len(DISTILLED_PAIRS)))
@@ -131,7 +138,9 @@ def test_distilled_drafter_accepts_multi_token_blocks_on_trained_prompts(zoo, di
     target, draft = distilled_pairs[pair]
     lengths = []
     for prompt in training_prompts(draft.seed, draft.distill_prompts)[:4]:
-        lengths += check_lossless(zoo, target, draft, prompt, draft.block_size, MAX_NEW_TOKENS, None)
+        result, expected, _ = speculative_and_plain(zoo, target, draft, prompt, draft.block_size, MAX_NEW_TOKENS, None)
+        assert result.token_ids == expected
+        lengths += result.acceptance_lengths
     assert sum(lengths) / len(lengths) > 1.3
     assert max(lengths) == draft.block_size
 
