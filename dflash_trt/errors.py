@@ -55,3 +55,8 @@ class EngineExistsError(DFlashError, FileExistsError):
 
 class ServingError(DFlashError, RuntimeError):
     """A Triton model repository cannot be written, or the bundled tritonserver failed to start or stop."""
+
+
+class TrainingError(DFlashError, ValueError):
+    """A drafter-training or evaluation run cannot start or continue: bad settings, unusable data or prompt
+    files, or a ``--resume`` whose checkpoint does not match the run."""
