@@ -19,11 +19,18 @@ so a fused QKV/gate-up GEMM can use one global scale; FP8 scales stay per linear
 Static activation scales come from calibration, as ModelOpt's max calibrator does: the
 unquantised target runs over a batch of token ids and each linear records ``max |input|``.
 
-At run time on CPU a quantised linear is a float32 GEMM on the dequantised weight; with
-``activations="quantized"`` its input is first quantised and dequantised with ``input_scale``
-(W8A8 / W4A4 as served). On a GPU the same tensors feed an FP8 GEMM (``torch._scaled_mm``, see
-:class:`Fp8Linear`) or TensorRT-LLM's FP4 GEMM. Speculative decoding stays lossless relative to
-*this quantised target*: it reproduces the quantised target's greedy output, not the float model's.
+At run time on CPU a quantised linear is a float32 GEMM on the dequantised weight (weight-only,
+the default). With ``activations="quantized"`` its input is first quantised and dequantised with
+``input_scale``, emulating the W8A8 / W4A4 GEMM a server runs. On a GPU the same tensors feed an
+FP8 GEMM (``torch._scaled_mm``, see :class:`Fp8Linear`) or TensorRT-LLM's FP4 GEMM.
+
+Speculative decoding stays lossless relative to *this quantised target*: it reproduces the
+quantised target's greedy output, not the float model's. With weight-only execution that holds
+token for token as robustly as for the float model. With quantised activations it needs
+batch-invariant kernels: the 16-token verify forward and the 1-token plain forward differ in the
+last float bits (attention, GEMM blocking), and an activation that sits on an FP8/FP4 rounding
+boundary then lands on different grid points, so plain decoding of the same quantised target can
+pick a different token (docs/quantization.md measures how often).
 """
 
 from __future__ import annotations
@@ -196,7 +203,7 @@ def save_quantized_target(folder: str | Path, config: TargetConfig, state: dict[
     return folder
 
 
-def load_quantized_target(folder: str | Path, activations: Activations = "quantized",
+def load_quantized_target(folder: str | Path, activations: Activations = "float",
                           fp8_gemm: bool = False) -> tuple[TargetModel, Tokenizer | None]:
     """Read an export folder into a ``TargetModel`` whose decoder linears run the stored quantised weights.
 
@@ -217,7 +224,7 @@ def load_quantized_target(folder: str | Path, activations: Activations = "quanti
 
 
 def dequantize_into(model: TargetModel, state: dict[str, Tensor], quant_config: dict,
-                    activations: Activations = "quantized", fp8_gemm: bool = False,
+                    activations: Activations = "float", fp8_gemm: bool = False,
                     source: str = "quantized state") -> TargetModel:
     """Load an export state dict into ``model``: plain tensors as they are, quantised linears as modules.
 
