@@ -171,8 +171,9 @@ def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer)
                                "target_layer_ids": list(draft.target_layer_ids)},
     }
     validate_options(options, draft.block_size, str(bundle / OPTIONS_FILE))
+    target_dir, options_file = (final / "trtllm" / "target").resolve(), (final / "trtllm" / OPTIONS_FILE).resolve()
     header = (f"# DFlash LLM-API options, written by dflash-trt. Serve with:\n"
-              f"#   trtllm-serve {(final / 'trtllm' / 'target').resolve()} --config {(final / 'trtllm' / OPTIONS_FILE).resolve()}\n"
+              f"#   trtllm-serve {target_dir} --config {options_file}\n"
               f"# (TensorRT-LLM >= {MIN_TRTLLM}, PyTorch backend; max_draft_len <= block_size - 1)\n")
     (bundle / OPTIONS_FILE).write_text(header + yaml.safe_dump(options, sort_keys=False))
     checks = {"trtllm_options": f"validated against the documented DFlashDecodingConfig/TorchLlmArgs fields "

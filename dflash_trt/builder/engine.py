@@ -121,7 +121,8 @@ class BuildReport:
 def _hash_sources(path: Path | None) -> SourceRecord | None:
     if path is None:
         return None
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
     if path.is_file():  # a llama2.c model: its tokenizer sits beside it
         files += [p for p in (path.with_name("tok512.bin"), path.with_name("tokenizer.bin")) if p.is_file()]
     base = path.parent if path.is_file() else path
@@ -163,8 +164,9 @@ def _role_of(relative: str, drafter_graph: str) -> str:
              "trtllm/llm_api_options.yaml": "trtllm_config", "quantization.json": "quant_config"}
     if relative in table:
         return table[relative]
-    prefixes = [("torch/draft/", "draft_weights"), ("quant/target/", "quant_target"), ("tokenizer/", "tokenizer"), ("onnx/", "graph_weights"),
-                ("tensorrt/csrc/", "plugin_source"), ("tensorrt/", "plugin_library"), ("trtllm/target/", "trtllm_target"),
+    prefixes = [("torch/draft/", "draft_weights"), ("quant/target/", "quant_target"), ("tokenizer/", "tokenizer"),
+                ("onnx/", "graph_weights"), ("tensorrt/csrc/", "plugin_source"), ("tensorrt/", "plugin_library"),
+                ("trtllm/target/", "trtllm_target"),
                 ("trtllm/draft/", "trtllm_draft")]
     return next(role for prefix, role in prefixes if relative.startswith(prefix))
 
