@@ -88,9 +88,9 @@ class DraftConfig(BaseModel):
         description="Per draft layer (`layer_types`): True for `sliding_attention`, False for `full_attention`."
     )
     sliding_window: PositiveInt | None = Field(default=None, description="Key window of sliding layers.")
-    sliding_causal: bool = Field(
-        default=True, description="Sliding layers are causal in-block unless the config says `is_causal: false`."
-    )
+    is_causal: bool | None = Field(
+        default=None, description="Top-level `is_causal`: True makes every layer causal in-block, False none; "
+        "None (absent) = causal exactly on sliding layers (the reference's per-layer rule, dflash.md §2.5).")
     input_embedding_scale: float = Field(default=1.0, description="Multiplier on the raw target embedding.")
     output_multiplier: float = Field(default=1.0, description="Multiplier on the draft logits.")
     final_logit_softcapping: PositiveFloat | None = Field(default=None, description="tanh softcap on draft logits.")
@@ -104,6 +104,11 @@ class DraftConfig(BaseModel):
         if any(self.layer_sliding) and self.sliding_window is None:
             raise ValueError("sliding_attention layers need `sliding_window`; expected a positive int")
         return self
+
+    @property
+    def layer_causal(self) -> tuple[bool, ...]:
+        """Per layer: keys after the query are hidden (``key <= query``)."""
+        return tuple(s if self.is_causal is None else self.is_causal for s in self.layer_sliding)
 
     @property
     def num_taps(self) -> int:

@@ -82,18 +82,7 @@ CASES = {
 }
 
 # Differences from dflash 0.1.0 found by this file and reported; each stays a strict xfail until resolved.
-KNOWN_DIVERGENCES = {
-    "tap-of-the-last-target-layer": (
-        "tap id N-1: the reference reads output_hidden_states[N], which transformers returns final-normed "
-        "(dflash/model.py:42); ours taps the raw layer output as dflash.md §2.3 specifies"),
-    "is-causal-true-makes-full-layers-causal": (
-        "top-level is_causal=true makes every reference layer causal (dflash/model.py:365-366, 397-405); our "
-        "full-attention layers are never masked (draft_head.py DraftAttention.forward, draft_checkpoint.py "
-        "sliding_causal)"),
-    "is-causal-false-sliding-window-is-two-sided": (
-        "non-causal sliding layers: the reference also requires key - query < sliding_window "
-        "(dflash/model.py:169-170); our sliding_mask only bounds query - key"),
-}
+KNOWN_DIVERGENCES: dict[str, str] = {}  # none left: the three found earlier are fixed (is_causal, tap N-1)
 
 
 def case_params() -> list:

@@ -95,8 +95,8 @@ class TargetGraph(nn.Module):
         taps: dict[int, Tensor] = {}
         for index, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, cache, index, past, mask, None)
-            if index in self.tap_ids:
-                taps[index] = h
+            if index in self.tap_ids:  # id N-1 is final-normed, as in TargetModel (transformers' hidden_states[N])
+                taps[index] = self.model.norm(h) if index == len(self.model.layers) - 1 else h
         logits = self.model.lm_head(self.model.norm(h))
         outputs = (logits,)
         if self.tap_ids:
@@ -122,11 +122,11 @@ class DraftGraph(nn.Module):
         self.register_buffer("sin", head.rotary.sin[:max_seq_len].clone(), persistent=False)
 
     def _attention(self, q: Tensor, context_k: Tensor, context_v: Tensor, block_k: Tensor, block_v: Tensor,
-                   sliding: bool) -> Tensor:
+                   sliding: bool, causal: bool) -> Tensor:
         cfg = self.head.config
         scale = cfg.head_dim ** -0.5
         window = cfg.sliding_window if sliding else 0
-        causal = int(sliding and cfg.sliding_causal)
+        causal = int(causal)
         if self.plugin:
             return torch.ops.dflash.block_attention(q, context_k, context_v, block_k, block_v, scale, window, causal)
         return block_attention_reference(q, context_k, context_v, block_k, block_v, scale, window, causal)
@@ -150,7 +150,8 @@ class DraftGraph(nn.Module):
             k, v = attn.project_kv(torch.cat([ctx, x], dim=1), cos, sin)  # [B, nkv, c+Bc, d]
             context_k = torch.cat([past_keys[index], k[:, :, :context]], dim=2)
             context_v = torch.cat([past_values[index], v[:, :, :context]], dim=2)
-            out = self._attention(q, context_k, context_v, k[:, :, context:], v[:, :, context:], attn.sliding)
+            out = self._attention(q, context_k, context_v, k[:, :, context:], v[:, :, context:], attn.sliding,
+                                  attn.causal)
             h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             new_keys.append(k[:, :, :context])

@@ -33,7 +33,7 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
 class DraftAttention(nn.Module):
     """Qwen3 attention whose keys/values also cover the injected context rows (dflash.md §2.4)."""
 
-    def __init__(self, cfg: DraftConfig, sliding: bool) -> None:
+    def __init__(self, cfg: DraftConfig, sliding: bool, causal: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
@@ -42,7 +42,12 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.sliding = sliding
+        self.sliding, self.causal = sliding, causal
+
+    @property
+    def mask_kind(self) -> tuple[bool, bool]:
+        """(causal, windowed): the layers sharing one attention mask."""
+        return self.causal, self.sliding
 
     def project_kv(self, rows: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """K/V of context or block rows: ``k_norm`` before RoPE. Shapes: rows ``[B, S, H]`` -> ``[B, nkv, S, d]``."""
@@ -51,7 +56,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(rows).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k.transpose(1, 2), cos, sin), v
 
-    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, masks: dict[bool, Tensor | None],
+    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, masks: dict[tuple[bool, bool], Tensor | None],
                 cache: StaticKVCache, layer: int, ctx_start: int | DraftLayout,
                 positions: Tensor | None = None) -> Tensor:
         """Shapes: x ``[B, T, H]`` (normed block), ctx ``[B, c, H]``, cos/sin ``[B, 1, c+T, d]``.
@@ -64,18 +69,18 @@ class DraftAttention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos[:, :, -tokens:], sin[:, :, -tokens:])
         k, v = self.project_kv(torch.cat([ctx, x], dim=1), cos, sin)
         keys, values = cache.write(layer, ctx_start, k, v, positions)
-        return self.o_proj(attend(q, keys, values, masks[self.sliding]))
+        return self.o_proj(attend(q, keys, values, masks[self.mask_kind]))
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig, sliding: bool) -> None:
+    def __init__(self, cfg: DraftConfig, sliding: bool, causal: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg, sliding)
+        self.self_attn = DraftAttention(cfg, sliding, causal)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, masks: dict[bool, Tensor | None],
+    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, masks: dict[tuple[bool, bool], Tensor | None],
                 cache: StaticKVCache, layer: int, ctx_start: int | DraftLayout, positions: Tensor | None) -> Tensor:
         # the context is not passed through input_layernorm (dflash.md §2.4 step 1)
         h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, masks, cache, layer, ctx_start, positions)
@@ -90,7 +95,8 @@ class DraftHead(nn.Module):
         self.config = cfg
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg, sliding) for sliding in cfg.layer_sliding)
+        self.layers = nn.ModuleList(DraftLayer(cfg, sliding, causal)
+                                    for sliding, causal in zip(cfg.layer_sliding, cfg.layer_causal))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
 
@@ -116,7 +122,7 @@ class DraftHead(nn.Module):
             where: int | DraftLayout = start - ctx_len
             cache.check_write(where, ctx_len + tokens, batch)
             positions = torch.arange(where, start + tokens, device=taps.device).expand(batch, -1)
-            masks = {False: None, True: self.sliding_mask(start, tokens, block_embeds.device)}
+            masks = {kind: self.block_mask(start, tokens, *kind, block_embeds.device) for kind in self.mask_kinds}
         else:
             where = start
             cache.check_rows(start.slots, tuple(s - c for s, c in zip(start.starts, start.context_lens)),
@@ -133,33 +139,48 @@ class DraftHead(nn.Module):
             cache.commit_rows(start.slots, tuple(s + n for s, n in zip(start.starts, start.block_lens)))
         return self.norm(h[:, 1:])
 
-    def layout_masks(self, layout: DraftLayout, queries: Tensor) -> dict[bool, Tensor]:
-        """Masks ``[B, 1, T, key_len]`` of a batched call: full layers see keys ``< start + Bc`` of their row;
-        sliding layers add causality and the window. Padding queries see every key (finite, unused)."""
-        cfg = self.config
-        keys = torch.arange(layout.key_len, device=queries.device).view(1, 1, -1)
-        padding = (queries >= layout.key_limits().to(queries.device).view(-1, 1)).unsqueeze(-1)
-        full = keys < layout.key_limits().to(queries.device).view(-1, 1, 1)
-        masks = {False: (full | padding).unsqueeze(1)}
-        if any(cfg.layer_sliding):
-            sliding = full & ((queries.unsqueeze(-1) - keys) < cfg.sliding_window)
-            if cfg.sliding_causal:
-                sliding = sliding & (keys <= queries.unsqueeze(-1))
-            masks[True] = (sliding | padding).unsqueeze(1)
-        return masks
+    @property
+    def mask_kinds(self) -> set[tuple[bool, bool]]:
+        return {layer.self_attn.mask_kind for layer in self.layers}
+
+    def _visible(self, queries: Tensor, keys: Tensor, causal: bool, windowed: bool) -> Tensor:
+        """Rule of the reference (dflash.md §2.5): causal -> ``key <= query``; a window -> ``query - key < w``,
+        and two-sided (``key - query < w`` too) when not causal. Shapes broadcast ``[.., T, 1]`` x ``[.., S]``."""
+        visible = torch.ones(torch.broadcast_shapes(queries.shape, keys.shape), dtype=torch.bool,
+                             device=queries.device)
+        if causal:
+            visible = visible & (keys <= queries)
+        if windowed:
+            window = self.config.sliding_window
+            visible = visible & ((queries - keys) < window)
+            if not causal:
+                visible = visible & ((keys - queries) < window)
+        return visible
+
+    def block_mask(self, start: int, tokens: int, causal: bool, windowed: bool, device: torch.device
+                   ) -> Tensor | None:
+        """Mask ``[1, 1, T, start+T]`` of one draft call, queries aligned to the end of the keys; None when
+        every key is visible (full bidirectional layers)."""
+        if not causal and not windowed:
+            return None
+        queries = torch.arange(start, start + tokens, device=device).view(tokens, 1)
+        keys = torch.arange(start + tokens, device=device).view(1, -1)
+        return self._visible(queries, keys, causal, windowed).view(1, 1, tokens, start + tokens)
 
     def sliding_mask(self, start: int, tokens: int, device: torch.device) -> Tensor | None:
-        """Mask of sliding layers, queries aligned to the end of the keys: ``key <= query`` (unless the
-        config is non-causal) and ``query - key < window``. Shape ``[1, 1, T, start+T]``; None if no sliding layer."""
-        cfg = self.config
-        if not any(cfg.layer_sliding):
-            return None
-        query = torch.arange(start, start + tokens, device=device).view(tokens, 1)
-        key = torch.arange(start + tokens, device=device).view(1, -1)
-        mask = (query - key) < cfg.sliding_window
-        if cfg.sliding_causal:
-            mask = mask & (key <= query)
-        return mask.view(1, 1, tokens, start + tokens)
+        """The mask of this drafter's sliding layers (None if it has none)."""
+        kinds = [kind for kind in self.mask_kinds if kind[1]]
+        return self.block_mask(start, tokens, *kinds[0], device) if kinds else None
+
+    def layout_masks(self, layout: DraftLayout, queries: Tensor) -> dict[tuple[bool, bool], Tensor]:
+        """Masks ``[B, 1, T, key_len]`` of a batched call: each row sees keys ``< start + Bc`` of its own,
+        under its layer's rule. Padding queries see every key (finite, unused)."""
+        keys = torch.arange(layout.key_len, device=queries.device).view(1, 1, -1)
+        limits = layout.key_limits().to(queries.device)
+        padding = (queries >= limits.view(-1, 1)).unsqueeze(-1)
+        own = keys < limits.view(-1, 1, 1)
+        return {kind: ((own & self._visible(queries.unsqueeze(-1), keys, *kind)) | padding).unsqueeze(1)
+                for kind in self.mask_kinds}
 
     def logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
         """Target LM head on draft hidden states, times ``output_multiplier``, optional tanh softcap.

@@ -112,7 +112,8 @@ class TargetModel(nn.Module):
         for index, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache, index, start, mask, write_positions)
             if index in tap_ids:
-                taps[index] = h
+                # hidden_states[N] in transformers (what the reference reads for id N-1) is final-normed
+                taps[index] = self.norm(h) if index == len(self.layers) - 1 else h
         if isinstance(start, int):
             cache.commit(start + tokens_len, batch)
         else:

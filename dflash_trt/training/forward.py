@@ -39,10 +39,10 @@ def draft_forward_blocks(head: DraftHead, block_embeds: Tensor, taps: Tensor, an
     cos_c, sin_c = head.rotary.lookup(context_pos, ctx.dtype)  # [b, 1, S, d]
     cos_b, sin_b = head.rotary.lookup(block_pos, ctx.dtype)  # [b*J, 1, B, d]
     masks = {}
-    for sliding in set(cfg.layer_sliding):
-        visible = block_visibility(anchors.cpu(), context_len, block_len, causal=sliding and cfg.sliding_causal,
+    for causal, sliding in head.mask_kinds:
+        visible = block_visibility(anchors.cpu(), context_len, block_len, causal=causal,
                                    window=cfg.sliding_window if sliding else None)
-        masks[sliding] = visible.view(rows, 1, block_len, context_len + block_len).to(taps.device)
+        masks[(causal, sliding)] = visible.view(rows, 1, block_len, context_len + block_len).to(taps.device)
     h = block_embeds.reshape(rows, block_len, hidden)
     for layer in head.layers:
         attn = layer.self_attn
@@ -53,6 +53,6 @@ def draft_forward_blocks(head: DraftHead, block_embeds: Tensor, taps: Tensor, an
         k_blk, v_blk = attn.project_kv(x, cos_b, sin_b)  # [b*J, nkv, B, d]
         keys = torch.cat([k_ctx.repeat_interleave(count, dim=0), k_blk], dim=2)  # [b*J, nkv, S+B, d]
         values = torch.cat([v_ctx.repeat_interleave(count, dim=0), v_blk], dim=2)
-        h = h + attn.o_proj(attend(q, keys, values, masks[attn.sliding]))
+        h = h + attn.o_proj(attend(q, keys, values, masks[attn.mask_kind]))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return head.norm(h).view(batch, count, block_len, hidden)

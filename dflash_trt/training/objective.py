@@ -65,7 +65,7 @@ def block_visibility(anchors: Tensor, context_len: int, block_len: int, causal: 
 
     Query slot ``t`` of block ``j`` (position ``a_j + t``) sees context keys at positions ``< a_j``
     (strict) and the keys of its own block: all of them, or slots ``<= t`` when ``causal``; with a
-    ``window``, only keys with ``query - key < window``. Blocks never see each other, so only the
+    ``window``, only keys with ``query - key < window`` (and ``key - query < window`` when not causal). Blocks never see each other, so only the
     non-zero tiles of the dense mask are materialised.
 
     Shapes: anchors ``[..., J]`` -> bool ``[..., J, B, context_len + B]`` (context keys first). True = attend.
@@ -84,6 +84,8 @@ def block_visibility(anchors: Tensor, context_len: int, block_len: int, causal: 
         key_pos = torch.cat([context_pos.expand(*anchors.shape, 1, context_len),
                              anchors[..., None, None] + slots.view(1, block_len)], dim=-1)
         visible = visible & ((query_pos - key_pos) < window)
+        if not causal:  # a non-causal window is two-sided, as at inference
+            visible = visible & ((key_pos - query_pos) < window)
     return visible
 
 

@@ -484,7 +484,7 @@ def test_sliding_window_layers_are_causal_in_block_with_a_window(draft_dir, tmp_
 
 def test_is_causal_false_makes_sliding_layers_bidirectional_in_block(draft_dir, tmp_path):
     head = load_draft(clone(draft_dir, tmp_path / "d", _sliding(["sliding_attention", "full_attention"], 3, False)))
-    assert head.config.sliding_causal is False
+    assert head.config.is_causal is False and head.config.layer_causal == (False, False)
     expected = torch.tensor([[0, 0, 1, 1, 1, 1, 1],
                              [0, 0, 0, 1, 1, 1, 1],
                              [0, 0, 0, 0, 1, 1, 1]], dtype=torch.bool)

@@ -35,6 +35,8 @@ def block_attention_numpy(q: np.ndarray, context_k: np.ndarray, context_v: np.nd
     visible = np.ones((tokens, context_len + tokens), dtype=bool)
     if window > 0:
         visible &= (query_pos - key_pos) < window
+        if not causal:  # a non-causal window is two-sided
+            visible &= (key_pos - query_pos) < window
     if causal:
         visible &= key_pos <= query_pos
     scores = np.where(visible, scores, np.float32(-np.inf))

@@ -26,6 +26,8 @@ def block_window_mask(context_len: int, tokens: int, window: int, causal: int, d
     mask = torch.ones(tokens, context_len + tokens, dtype=torch.bool, device=device)
     if window > 0:
         mask = mask & ((query - key) < window)
+        if not causal:  # a non-causal window is two-sided (reference: dflash/model.py _attention_mask)
+            mask = mask & ((key - query) < window)
     if causal:
         mask = mask & (key <= query)
     return mask.view(1, 1, tokens, context_len + tokens)

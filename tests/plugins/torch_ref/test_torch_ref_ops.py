@@ -39,7 +39,8 @@ def test_sliding_layers_match_the_draft_heads_sliding_mask(causal):
     config = DraftConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                          rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0), vocab_size=32, max_position_embeddings=64,
                          num_target_layers=4, target_layer_ids=(1,), block_size=4, mask_token_id=0,
-                         layer_sliding=(True,), sliding_window=3, sliding_causal=causal)
+                         layer_sliding=(True,), sliding_window=3,
+                         is_causal=None if causal else False)
     head = DraftHead(config)
     for start, tokens in [(0, 4), (6, 4), (9, 1)]:
         expected = head.sliding_mask(start, tokens, torch.device("cpu"))

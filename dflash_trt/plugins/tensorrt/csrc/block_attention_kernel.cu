@@ -43,6 +43,7 @@ __global__ void blockAttentionKernel(float const* q, float const* contextK, floa
     float runningSum = 0.f;
     for (int j = 0; j < s.context + s.tokens; ++j) {
         if (s.window > 0 && queryPos - j >= s.window) continue;
+        if (s.window > 0 && !s.causal && j - queryPos >= s.window) continue;  // non-causal window: two-sided
         if (s.causal && j > queryPos) break;
         bool const inContext = j < s.context;
         long const row = inContext ? (static_cast<long>(b * s.kvHeads + kvHead) * s.context + j)
