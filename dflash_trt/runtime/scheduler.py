@@ -10,8 +10,10 @@ with the error and the worker keeps serving.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -50,12 +52,18 @@ class Scheduler:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, name="dflash-scheduler", daemon=True)
                 self._worker.start()
+                # stop the worker before the interpreter tears torch down under it
+                atexit.register(_close_at_exit, weakref.ref(self))
             self._wake.notify()
 
-    def close(self) -> None:
+    def close(self, wait: float | None = None) -> None:
+        """Finish what is queued, then stop the worker (``wait`` seconds at most for it to exit)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
+            worker = self._worker
+        if worker is not None and wait is not None and worker is not threading.current_thread():
+            worker.join(wait)
 
     def _serve(self) -> None:
         while True:
@@ -143,3 +151,11 @@ class Scheduler:
         if entry in self.active:
             self.active.remove(entry)
             self.free_slots.append(entry.state.slot)
+
+
+def _close_at_exit(scheduler_ref: weakref.ref) -> None:
+    scheduler = scheduler_ref()
+    if scheduler is not None:
+        for entry in list(scheduler.active):
+            entry.cancelled.set()
+        scheduler.close(wait=5.0)
