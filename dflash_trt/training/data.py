@@ -71,3 +71,20 @@ def self_distill_sequences(target: TargetModel, prompts: list[list[int]], *, max
             for row, index in enumerate(chunk):
                 results[index] = cut_at_stop(generated[row].tolist(), len(prompts[index]), stop_ids)
     return [ids for ids in results if ids is not None]
+
+
+def sample_openings(target: TargetModel, count: int, min_tokens: int, max_tokens: int, temperature: float,
+                    top_p: float, seed: int) -> list[list[int]]:
+    """``count`` story openings: BOS followed by ``k`` tokens sampled from the target, ``k`` cycling through
+    ``min_tokens .. max_tokens`` so every length is equally represented. Deterministic for a given seed."""
+    bos = target.config.bos_token_id
+    assert bos is not None, "caller checks that the target has a BOS token"
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [min_tokens + i % (max_tokens - min_tokens + 1) for i in range(count)]
+    openings: list[list[int]] = []
+    for length in sorted(set(lengths)):
+        rows = lengths.count(length)
+        for first in range(0, rows, _BATCH_ROWS):
+            batch = torch.full((min(_BATCH_ROWS, rows - first), 1), bos, dtype=torch.long)
+            openings += generate_batch(target, batch, length, temperature, top_p, generator).tolist()
+    return openings

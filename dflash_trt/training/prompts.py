@@ -14,15 +14,11 @@ import json
 import re
 from pathlib import Path
 
-from dflash_trt.errors import DFlashError
+from dflash_trt.errors import TrainingError
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "text", "turns")
 STORY_SEPARATOR = "<|endoftext|>"
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
-
-
-class PromptFileError(DFlashError, ValueError):
-    """A prompt file is missing, empty or in a format we cannot read."""
 
 
 def first_sentence(text: str) -> str:
@@ -40,7 +36,7 @@ def _json_prompt(record: object, source: str, line: int) -> str:
                 return value[0]
             if isinstance(value, str) and value.strip():
                 return value
-    raise PromptFileError(f"{source}:{line}: record has none of the fields {list(PROMPT_FIELDS)}; expected one of "
+    raise TrainingError(f"{source}:{line}: record has none of the fields {list(PROMPT_FIELDS)}; expected one of "
                           "them holding the prompt text. Fix: rename the prompt field, or pass a .txt file with one "
                           "prompt per line.")
 
@@ -49,7 +45,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     """Prompts from ``path`` (formats in the module docstring), at most ``limit`` of them, in file order."""
     path = Path(path)
     if not path.is_file():
-        raise PromptFileError(f"{path}: does not exist; expected a prompt file (.txt, .jsonl, .jsonl.gz, .json). "
+        raise TrainingError(f"{path}: does not exist; expected a prompt file (.txt, .jsonl, .jsonl.gz, .json). "
                               "Fix: check the --prompts path.")
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as handle:
@@ -61,7 +57,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     elif name.endswith(".json"):
         records = json.loads(text)
         if not isinstance(records, list):
-            raise PromptFileError(f"{path}: top level is {type(records).__name__}; expected a JSON array of "
+            raise TrainingError(f"{path}: top level is {type(records).__name__}; expected a JSON array of "
                                   "records. Fix: convert it to JSONL.")
         prompts = [_json_prompt(r, str(path), i + 1) for i, r in enumerate(records)]
     elif STORY_SEPARATOR in text:
@@ -69,7 +65,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     else:
         prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
-        raise PromptFileError(f"{path}: holds no prompts; expected at least one. Fix: pass a non-empty file.")
+        raise TrainingError(f"{path}: holds no prompts; expected at least one. Fix: pass a non-empty file.")
     return prompts[:limit] if limit is not None else prompts
 
 

@@ -17,16 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_trt.config import DraftConfig
-from dflash_trt.errors import DFlashError
+from dflash_trt.errors import TrainingError
 from dflash_trt.model.draft_head import DraftHead
 from dflash_trt.model.target import TargetModel
 from dflash_trt.training.forward import draft_forward_blocks
 from dflash_trt.training.objective import (accepted_prefix, block_labels, block_token_ids, sample_anchors,
                                            slot_weights, weighted_block_loss)
-
-
-class TrainingDataError(DFlashError, ValueError):
-    """The training sequences cannot train a drafter (too few, too short, wrong vocabulary)."""
 
 
 @dataclass(frozen=True)
@@ -90,13 +86,13 @@ class Distiller:
         block_len = cfg.block_size
         usable = [s for s in sequences if len(s) > block_len]
         if not usable:
-            raise TrainingDataError(f"training data: no sequence is longer than block_len={block_len} tokens "
+            raise TrainingError(f"training data: no sequence is longer than block_len={block_len} tokens "
                                     f"(found {len(sequences)} sequences); expected sequences of > {block_len} "
                                     "tokens. Fix: raise --max-new-tokens or lower --block-len.")
         vocab = target.config.vocab_size
         bad = next((t for s in usable for t in s if not 0 <= t < vocab), None)
         if bad is not None:
-            raise TrainingDataError(f"training data: token id {bad} is outside the target vocabulary [0, {vocab}); "
+            raise TrainingError(f"training data: token id {bad} is outside the target vocabulary [0, {vocab}); "
                                     "expected ids from the target's tokenizer. Fix: regenerate the data with "
                                     "this target.")
         self.target = target.eval().requires_grad_(False)

@@ -1,0 +1,179 @@
+"""``dflash-trt train`` and ``dflash-trt eval``: thin click commands over ``training.run.train`` and ``evaluate``.
+
+Registered by ``dflash_trt/cli.py`` (``main.add_command``). Heavy imports happen inside the
+commands so ``dflash-trt --help`` stays cheap (style R10). Bad input raises a ``DFlashError``
+(``TrainingError``), which the CLI prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from dflash_trt.errors import TrainingError
+
+_TRAIN_EXAMPLES = """
+\b
+Examples:
+  dflash-trt train --out drafters/stories-b16
+  dflash-trt train --out drafters/stories-b8 --block-len 8 --layers 2 --steps 3000
+  dflash-trt train --out drafters/stories-b16 --steps 3000 --resume
+  dflash-trt train --target ./tiny-qwen3 --mask-token-id 0 --prompts prompts.jsonl --epochs 2 --out drafters/tiny
+  dflash-trt train --out drafters/taps --layers 2 --target-layer-ids 1,3 --seed 7
+"""
+
+_EVAL_EXAMPLES = """
+\b
+Examples:
+  dflash-trt eval
+  dflash-trt eval --draft drafters/stories-b16 --block-len 8 --json
+  dflash-trt eval --prompts ../shared/assets/eval/gsm8k/test.jsonl --limit 20 --max-new-tokens 256
+  dflash-trt eval --target ./tiny-qwen3 --draft drafters/tiny --prompts prompts.txt
+"""
+
+
+def parse_layer_ids(text: str | None) -> tuple[int, ...] | None:
+    """``"1,3"`` -> ``(1, 3)``; None stays None (the default taps)."""
+    if text is None:
+        return None
+    try:
+        ids = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        ids = ()
+    if not ids:
+        raise TrainingError(f"--target-layer-ids: field `target_layer_ids` is {text!r}; expected comma-separated "
+                            "decoder layer ids such as 1,3. Fix: pass --target-layer-ids 1,3 or omit it.")
+    return ids
+
+
+def build_train_config(**fields: object):
+    """``TrainConfig`` from CLI values, turning pydantic's error into a TrainingError naming the field."""
+    from pydantic import ValidationError
+
+    from dflash_trt.training.config import TrainConfig
+
+    try:
+        return TrainConfig(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(str(part) for part in first["loc"]) or "config"
+        raise TrainingError(f"train: field `{name}` is {first.get('input')!r}; expected {first['msg'].lower()}. "
+                            f"Fix: correct --{name.split('.')[-1].replace('_', '-')} (see `dflash-trt train "
+                            "--help`).") from None
+
+
+@click.command("train", epilog=_TRAIN_EXAMPLES)
+@click.option("--target", type=click.Path(exists=True, path_type=Path), help="Target checkpoint (HF folder or "
+              "llama2.c .bin). Default: the embedded stories260K.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Output folder: config.json, model.safetensors, training.json, checkpoints/.")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Prompts (.txt/.jsonl) for the target to continue. Default: openings sampled from the target.")
+@click.option("--block-len", type=int, default=16, show_default=True, help="Block length B (anchor + B-1 masks).")
+@click.option("--layers", type=int, default=1, show_default=True, help="Draft decoder layers.")
+@click.option("--target-layer-ids", help="Comma-separated tapped target layers. Default: build_target_layer_ids.")
+@click.option("--mask-token-id", type=int, help="Mask token id. Default: 0 (<unk>) for llama2.c targets.")
+@click.option("--steps", type=int, help="Optimiser steps (default 1000 when --epochs is not given).")
+@click.option("--epochs", type=float, help="Passes over the distilled data (instead of --steps).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of data, init, batches and anchors.")
+@click.option("--lr", type=float, default=3e-3, show_default=True, help="Peak AdamW learning rate.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per step.")
+@click.option("--max-anchors", type=int, default=32, show_default=True, help="Blocks per sequence and step.")
+@click.option("--num-openings", type=int, default=2000, show_default=True,
+              help="Openings sampled from the target and continued greedily (without --prompts).")
+@click.option("--num-sampled", type=int, default=0, show_default=True,
+              help="Extra sequences sampled end to end (T=1, top-p 0.9).")
+@click.option("--max-new-tokens", type=int, default=300, show_default=True, help="Continuation length per prompt.")
+@click.option("--checkpoint-every", type=int, default=200, show_default=True, help="Steps between checkpoints.")
+@click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads.")
+@click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/state.pt (same flags as before).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a summary.")
+def train_command(target, out, prompts, block_len, layers, target_layer_ids, mask_token_id, steps, epochs, seed,
+                  lr, batch_size, max_anchors, num_openings, num_sampled, max_new_tokens, checkpoint_every,
+                  threads, resume, as_json) -> None:
+    """Distil a DFlash drafter from a target by self-distillation (the target writes its own training data)."""
+    import json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dflash_trt.training.run import train
+
+    config = build_train_config(
+        target=target, out=out, block_len=block_len, layers=layers, target_layer_ids=parse_layer_ids(target_layer_ids),
+        mask_token_id=mask_token_id, steps=steps, epochs=epochs, seed=seed, lr=lr, batch_size=batch_size,
+        max_anchors=max_anchors, checkpoint_every=checkpoint_every, threads=threads,
+        data={"prompts": prompts, "num_openings": num_openings, "num_sampled": num_sampled,
+              "max_new_tokens": max_new_tokens})
+    command = shlex.join(["dflash-trt", "train", *sys.argv[2:]]) if len(sys.argv) > 1 else "dflash-trt train"
+    recent: list[float] = []
+    columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, transient=True, disable=as_json) as bar:
+        task = bar.add_task("train", total=None, info="generating data")
+
+        def on_step(metrics, total: int) -> None:
+            recent.append(metrics.tau_estimate)
+            del recent[:-50]
+            bar.update(task, total=total, completed=metrics.step,
+                       info=f"loss {metrics.loss:.3f}  τ≈{sum(recent) / len(recent):.2f}  lr {metrics.lr:.1e}")
+
+        result = train(config, resume=resume, command=command, on_step=on_step)
+    summary = {"out": str(result.out), "steps": result.steps, "final_loss": result.final_loss,
+               "final_tau_estimate": result.final_tau_estimate, "data_hash": result.data_hash,
+               "heldout_tau": result.eval_report.tau if result.eval_report else None}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo(f"drafter written to {result.out} ({result.steps} steps, final loss {result.final_loss:.4f})")
+    if result.eval_report is not None:
+        click.echo(f"held-out τ = {result.eval_report.tau:.3f} over {result.eval_report.num_prompts} prompts "
+                   f"(greedy, B={result.eval_report.block_len}, {result.eval_report.max_new_tokens} new tokens)")
+
+
+@click.command("eval", epilog=_EVAL_EXAMPLES)
+@click.option("--target", type=click.Path(exists=True, path_type=Path), help="Target checkpoint. Default: the "
+              "embedded stories260K.")
+@click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Drafter folder. "
+              "Default: the embedded stories260K drafter (when --target is not given).")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Prompt file (.txt/.jsonl/.jsonl.gz/.json). Default: the 21 held-out TinyStories first sentences.")
+@click.option("--limit", type=int, help="Use only the first N prompts.")
+@click.option("--block-len", type=int, help="Block length at serve time. Default: the drafter's.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True, help="New tokens per prompt (greedy).")
+@click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
+def eval_command(target, draft, prompts, limit, block_len, max_new_tokens, threads, as_json) -> None:
+    """Measure a drafter's acceptance (τ, per-position rates, histogram) with greedy decoding."""
+    import json
+
+    import torch
+
+    from dflash_trt.builder.load import load_pair
+    from dflash_trt.training.evaluation import evaluate
+    from dflash_trt.training.prompts import heldout_prompts_path, read_prompts
+
+    torch.set_num_threads(threads)
+    if target is not None and draft is None:
+        raise TrainingError("eval: field `--draft` is None with --target given; expected the drafter trained for "
+                            "that target. Fix: pass --draft DIR.")
+    prompts = prompts or heldout_prompts_path()
+    if not prompts.is_file():
+        raise TrainingError(f"eval: field `--prompts` defaults to {prompts}, which does not exist; expected a "
+                            "prompt file. Fix: pass --prompts FILE.")
+    pair = load_pair(target, draft)
+    if pair.tokenizer is None:
+        raise TrainingError(f"eval: target {pair.target_path} has no tokenizer; expected tokenizer.json (or "
+                            "tok512.bin) beside it to encode the prompts. Fix: add the tokenizer file.")
+    texts = read_prompts(prompts, limit)
+    report = evaluate(pair.target, pair.draft, texts, tokenizer=pair.tokenizer, block_len=block_len,
+                      max_new_tokens=max_new_tokens)
+    if as_json:
+        click.echo(json.dumps({"prompts": str(prompts), **report.to_dict()}, indent=2))
+        return
+    click.echo(f"τ = {report.tau:.3f} over {report.num_prompts} prompts (greedy, B={report.block_len}, "
+               f"{report.max_new_tokens} new tokens)")
+    click.echo("per-position acceptance: " + " ".join(f"{rate:.2f}" for rate in report.per_position))
+    click.echo("acceptance histogram:    " + " ".join(str(count) for count in report.histogram))

@@ -1,0 +1,93 @@
+"""``TrainConfig``: every setting of one drafter-training run, frozen and validated once (style R6).
+
+The CLI builds it from flags; ``training.json`` records it next to the trained drafter, so a run
+can be repeated exactly. Defaults are the recipe that produced the shipped stories260K drafter
+(docs/drafters.md) and suit tiny targets on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
+                      model_validator)
+
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(BaseModel):
+    """How the target writes its own training text (dflash.md §4 "data")."""
+
+    model_config = _FROZEN
+    prompts: Path | None = Field(default=None, description="Prompt file (.txt/.jsonl) whose prompts the target "
+                                 "continues; None = openings sampled from the target itself after BOS.")
+    num_openings: NonNegativeInt = Field(default=2000, description="Openings sampled from BOS (when `prompts` is "
+                                         "None) and then continued greedily.")
+    opening_min_tokens: PositiveInt = Field(default=1, description="Shortest sampled opening, in tokens after BOS.")
+    opening_max_tokens: PositiveInt = Field(default=40, description="Longest sampled opening, in tokens after BOS.")
+    num_sampled: NonNegativeInt = Field(default=0, description="Extra sequences sampled end to end from BOS at "
+                                        "`temperature`/`top_p` (diversity beyond greedy text).")
+    max_new_tokens: PositiveInt = Field(default=300, description="Continuation length per prompt or opening "
+                                        "(cut at the first stop token).")
+    temperature: PositiveFloat = Field(default=1.0, description="Sampling temperature of openings and sampled "
+                                       "sequences; continuations of openings are greedy.")
+    top_p: float = Field(default=0.9, gt=0.0, le=1.0, description="Nucleus mass of openings and sampled sequences.")
+
+    @model_validator(mode="after")
+    def _check_openings(self) -> DataConfig:
+        if self.opening_min_tokens > self.opening_max_tokens:
+            raise ValueError(f"opening_min_tokens={self.opening_min_tokens} > opening_max_tokens="
+                             f"{self.opening_max_tokens}; expected min <= max. Fix: swap or adjust them.")
+        return self
+
+
+class TrainConfig(BaseModel):
+    """One drafter-training run: target, drafter shape, data, optimisation, outputs."""
+
+    model_config = _FROZEN
+    target: Path | None = Field(default=None, description="Target checkpoint (HF folder or llama2.c .bin); "
+                                "None = the embedded stories260K.")
+    out: Path = Field(description="Output folder: config.json, model.safetensors, training.json, checkpoints/.")
+    block_len: int = Field(default=16, ge=2, le=64, description="Block length B (anchor + B-1 mask slots).")
+    layers: PositiveInt = Field(default=1, description="Draft decoder layers n.")
+    target_layer_ids: tuple[NonNegativeInt, ...] | None = Field(
+        default=None, description="Tapped target layers; None = build_target_layer_ids(N, layers).")
+    mask_token_id: NonNegativeInt | None = Field(
+        default=None, description="Token id of the mask slots; None = 0 (`<unk>`) for llama2.c targets, "
+        "required otherwise.")
+    steps: PositiveInt | None = Field(default=None, description="Optimiser steps (exclusive with `epochs`).")
+    epochs: PositiveFloat | None = Field(default=None, description="Passes over the data (exclusive with `steps`).")
+    seed: int = Field(default=0, description="Seed of data generation, initialisation, batches and anchors.")
+    lr: PositiveFloat = Field(default=3e-3, description="Peak AdamW learning rate.")
+    batch_size: PositiveInt = Field(default=8, description="Sequences per optimiser step.")
+    max_anchors: int = Field(default=32, ge=1, le=512, description="Anchors (blocks) per sequence and step.")
+    warmup_ratio: float = Field(default=0.04, ge=0.0, lt=1.0, description="Fraction of steps of linear warm-up.")
+    min_lr_ratio: float = Field(default=0.05, ge=0.0, le=1.0, description="Final learning rate / peak (cosine).")
+    weight_decay: NonNegativeFloat = Field(default=0.0, description="AdamW weight decay.")
+    grad_clip: PositiveFloat = Field(default=1.0, description="Max global gradient norm.")
+    gamma: PositiveFloat | None = Field(default=None, description="Slot-weight decay γ; None = 7 for B=16, 4 for "
+                                        "B=8, 1 + 3B/8 otherwise.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Self-distillation data settings.")
+    checkpoint_every: PositiveInt = Field(default=200, description="Steps between resumable checkpoints.")
+    eval_prompts: Path | None = Field(default=None, description="Prompts for the final τ; None = the held-out "
+                                      "TinyStories first sentences for the embedded target, else no evaluation.")
+    eval_max_new_tokens: PositiveInt = Field(default=256, description="New tokens per evaluation prompt (greedy).")
+    cache_dir: Path | None = Field(default=None, description="Data cache folder; None = "
+                                   "$XDG_CACHE_HOME/dflash-trt/distill (or ~/.cache/...).")
+    threads: PositiveInt = Field(default=1, description="torch CPU threads.")
+
+    @model_validator(mode="after")
+    def _check_length(self) -> TrainConfig:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(f"both steps={self.steps} and epochs={self.epochs} are set; expected one of them. "
+                             "Fix: pass only --steps or only --epochs.")
+        return self
+
+    def total_steps(self, num_sequences: int) -> int:
+        """``steps``, or ``ceil(epochs * sequences / batch_size)``; 1000 steps when neither is set."""
+        if self.steps is not None:
+            return self.steps
+        if self.epochs is not None:
+            return max(1, math.ceil(self.epochs * num_sequences / self.batch_size))
+        return 1000
