@@ -10,7 +10,7 @@ Names follow the TensorRT-LLM ensemble user I/O (serving.md §6.2: ``text_input`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -74,6 +74,7 @@ class ModelSettings:
     name: str
     decoupled: bool
     batched: bool
+    max_batch: int
     streaming: bool
     engine_dir: str | None
     backend: str
@@ -87,6 +88,8 @@ class ModelSettings:
             name=config.get("name", ""),
             decoupled=bool(config.get("model_transaction_policy", {}).get("decoupled", False)),
             batched=int(config.get("max_batch_size", 0)) > 0,
+            # the Session batches as many requests per forward as Triton hands one instance (>= 1)
+            max_batch=max(1, int(config.get("max_batch_size", 0))),
             streaming=params.get(PARAM_STREAMING, "false").lower() == "true",
             engine_dir=params.get(PARAM_ENGINE) or None,
             backend=params.get(PARAM_BACKEND) or "auto",
@@ -223,15 +226,26 @@ def error_response(pb_utils: Any, exc: BaseException | str) -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc) if known else f"{type(exc).__name__}: {exc}"))
 
 
-class DeferredGeneration:
-    """A ``submit``-style handle over ``Session.generate``/``stream`` (sessions without batched ``submit``)."""
+def interleave(handles: Iterable[Iterable[StreamChunk]]) -> Iterator[tuple[int, StreamChunk | Exception]]:
+    """``(index, chunk)`` round-robin over streaming handles, one chunk per live handle per turn, until all finish.
 
-    def __init__(self, session: Session, prompt: str, params: SamplingParams) -> None:
-        self.session, self.prompt, self.params = session, prompt, params
-        self.stats = SpecStats()
-
-    def result(self) -> GenerationResult:
-        return self.session.generate(self.prompt, self.params)
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        return self.session.stream(self.prompt, self.params, self.stats)
+    The session advances every submitted request in the same batched cycles, so this sends each stream's
+    chunks as they are verified, all from the thread that called it (Triton 2.51's python backend crashes when
+    responses are sent from threads other than ``execute``'s). An exception ends only its own stream: it is
+    yielded as that stream's item.
+    """
+    live = {index: iter(handle) for index, handle in enumerate(handles)}
+    while live:
+        for index, chunks in list(live.items()):
+            try:
+                chunk = next(chunks)
+            except StopIteration:
+                del live[index]
+                continue
+            except Exception as exc:  # the stream's own failure: reported to that stream, the others go on
+                del live[index]
+                yield index, exc
+                continue
+            if chunk.finished:
+                del live[index]
+            yield index, chunk

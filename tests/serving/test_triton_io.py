@@ -84,14 +84,16 @@ def test_result_outputs_carry_text_ids_and_speculation_counters(reference_sessio
         assert outputs[spec.name].dtype.kind == kind
 
 
-def test_deferred_handle_streams_what_generate_returns(reference_session):
+def test_chunk_outputs_of_a_submitted_request_add_up_to_its_result_outputs(reference_session):
     params = SamplingParams(max_new_tokens=12)
-    handle = io.DeferredGeneration(reference_session, "Lily and Ben were", params)
-    chunks = list(handle)
-    result = io.DeferredGeneration(reference_session, "Lily and Ben were", params).result()
-    assert "".join(c.text for c in chunks) == result.text
-    assert [t for c in chunks for t in c.token_ids] == result.token_ids
-    assert handle.stats.num_draft_tokens == result.stats.num_draft_tokens and chunks[-1].finished
+    handle = reference_session.submit("Lily and Ben were", params)
+    chunks = [io.chunk_outputs(chunk, handle.stats, batched=True) for chunk in handle]
+    whole = io.result_outputs(reference_session.generate("Lily and Ben were", params), batched=True)
+    assert "".join(c["text_output"].reshape(-1)[0].decode() for c in chunks) == whole["text_output"][0, 0].decode()
+    assert np.concatenate([c["output_ids"] for c in chunks], axis=1).tolist() == whole["output_ids"].tolist()
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_draft_tokens", "acceptance_lengths"):
+        assert chunks[-1][name].tolist() == whole[name].tolist()
+    assert [c["finish_reason"][0, 0] for c in chunks] == [b""] * (len(chunks) - 1) + [b"length"]
 
 
 @pytest.mark.parametrize(("decoupled", "streaming", "ok"), [(True, "true", True), (False, "false", True),
@@ -100,5 +102,19 @@ def test_policy_problem_only_when_decoupled_and_streaming_disagree(decoupled, st
     settings = io.ModelSettings.from_model_config({
         "name": "m", "max_batch_size": 8, "model_transaction_policy": {"decoupled": decoupled},
         "parameters": {"streaming": {"string_value": streaming}, "engine_dir": {"string_value": "/e"}}})
-    assert settings.batched and settings.engine_dir == "/e" and settings.backend == "auto"
+    assert settings.batched and settings.max_batch == 8 and settings.engine_dir == "/e" and settings.backend == "auto"
     assert (settings.policy_problem() is None) is ok
+
+
+def test_interleave_takes_one_chunk_per_live_stream_per_turn_and_isolates_failures():
+    from dflash_trt.runtime.session import StreamChunk
+
+    def stream(name: str, length: int, fail_at: int | None = None):
+        for step in range(length):
+            if step == fail_at:
+                raise RuntimeError(f"{name} broke")
+            yield StreamChunk([step], f"{name}{step}", step == length - 1, "length" if step == length - 1 else None)
+
+    items = list(io.interleave([stream("a", 3), stream("b", 1), stream("c", 3, fail_at=1)]))
+    shown = [(i, item.text if not isinstance(item, Exception) else str(item)) for i, item in items]
+    assert shown == [(0, "a0"), (1, "b0"), (2, "c0"), (0, "a1"), (2, "c broke"), (0, "a2")]

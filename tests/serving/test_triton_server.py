@@ -246,6 +246,19 @@ def test_32_concurrent_requests_all_complete_correctly(triton_server, reference_
         assert_matches(answer, expected(reference_session, prompt, max_new_tokens=max_tokens))
 
 
+def test_16_concurrent_streams_each_add_up_to_session_generate(triton_server, reference_session):
+    url = f"{triton_server.http_url}/v2/models/{STREAMING}/generate_stream"
+    jobs = [(PROMPTS[i % len(PROMPTS)], 6 + i) for i in range(16)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(lambda job: post_stream(url, {"text_input": job[0], "max_tokens": job[1],
+                                                               "stream": True}), jobs))
+    for (prompt, max_tokens), (status, events) in zip(jobs, answers):
+        assert status == 200, events
+        result = expected(reference_session, prompt, max_new_tokens=max_tokens)
+        assert "".join(e["text_output"] for e in events) == result.text
+        assert events[-1]["finish_reason"] == "length"
+
+
 def test_prometheus_counters_grow_by_the_request_stats(triton_server, reference_session):
     def counters() -> dict[str, float]:
         with urllib.request.urlopen(triton_server.metrics_url, timeout=10) as response:

@@ -1,9 +1,6 @@
-"""Triton python-backend model for dflash_trt, written by `dflash-trt triton export` (do not edit; re-export).
-
-Thin on purpose (style R14): request parsing and response tensors live in dflash_trt.serving.triton_io, metrics
-in dflash_trt.serving.metrics, the algorithm in dflash_trt.runtime. Every request gets its own response (or its
-own stream ending in TRITONSERVER_RESPONSE_COMPLETE_FINAL); a bad request never takes the model down.
-"""
+"""Triton python-backend model for dflash_trt, written by `dflash-trt triton export` (re-export, do not edit).
+Thin (style R14): tensors in dflash_trt.serving.triton_io, metrics in .metrics, the algorithm in dflash_trt.runtime.
+Each request gets its own response (or stream ending in COMPLETE_FINAL); a bad one never takes the model down."""
 
 import json
 
@@ -22,55 +19,56 @@ class TritonPythonModel:
         s = self.settings = io.ModelSettings.from_model_config(json.loads(args["model_config"]))
         if s.policy_problem():
             raise pb_utils.TritonModelException(s.policy_problem())
-        self.session = Session.load(s.engine_dir, s.backend) if s.engine_dir else Session.from_checkpoints(
-            s.target, s.draft)
+        self.session = (Session.load(s.engine_dir, s.backend, max_batch=s.max_batch) if s.engine_dir
+                        else Session.from_checkpoints(s.target, s.draft, max_batch=s.max_batch))
         self.parser = io.RequestParser(self.session)
-        self.submit = lambda prompt, params: io.DeferredGeneration(self.session, prompt, params)
         self.metrics = TritonSpecMetrics(pb_utils, {"model": s.name, "version": args["model_version"]})
 
     def execute(self, requests):
-        if self.settings.decoupled:
-            for request in requests:
-                self._stream(request)
-            return None
-        handles = [_guarded(self._start, request) for request in requests]  # all submitted, then collected
-        return [h if isinstance(h, pb_utils.InferenceResponse) else _guarded(self._finish, h) for h in handles]
+        jobs = [_guarded(self._start, request) for request in requests]  # all submitted first: batched forwards
+        if not self.settings.decoupled:
+            return [job if isinstance(job, pb_utils.InferenceResponse) else _guarded(self._finish, job) for job in jobs]
+        streams = []
+        for request, job in zip(requests, jobs):
+            sender = request.get_response_sender()
+            if isinstance(job, pb_utils.InferenceResponse) or not job[1]:  # an error, or one whole response
+                sender.send(job if isinstance(job, pb_utils.InferenceResponse) else _guarded(self._finish, job),
+                            flags=FINAL)
+            else:
+                streams.append((request, sender, job[0]))
+        for index, item in io.interleave([handle for _, _, handle in streams]):  # sent from this thread only
+            request, sender, handle = streams[index]
+            if isinstance(item, Exception) or item.finish_reason == "cancelled":
+                sender.send(io.error_response(pb_utils, item if isinstance(item, Exception) else "cancelled"),
+                            flags=FINAL)
+            elif request.is_cancelled():
+                handle.cancel()  # its next chunk is the final, cancelled one
+            else:
+                outputs = io.chunk_outputs(item, handle.stats, self.settings.batched)
+                sender.send(io.response(pb_utils, outputs), flags=FINAL if item.finished else 0)
+                if item.finished:
+                    self.metrics.observe(handle.stats)
+        return None
 
-    def _start(self, request, decoupled=False):
+    def _start(self, request):
         job = self.parser.parse(io.reader(pb_utils, request))
-        if job.stream and not decoupled:
+        if job.stream and not self.settings.decoupled:
             raise io.RequestError(f"`stream` is true but model {self.settings.name!r} is not decoupled. Fix: send "
                                   "stream=false, or use a model exported with `dflash-trt triton export --streaming`.")
-        return self.submit(job.prompt, job.params), job.stream
+        return self.session.submit(job.prompt, job.params), job.stream  # thread-safe; requests share forwards
 
-    def _finish(self, started):
-        result = started[0].result()
+    def _finish(self, job):
+        result = job[0].result()
         self.metrics.observe(result.stats)
         return io.response(pb_utils, io.result_outputs(result, self.settings.batched))
 
-    def _stream(self, request):
-        sender = request.get_response_sender()
-        try:
-            handle, stream = self._start(request, decoupled=True)
-            if not stream:
-                return sender.send(self._finish((handle, stream)), flags=FINAL)
-            for chunk in handle:
-                if request.is_cancelled():
-                    return sender.send(io.error_response(pb_utils, "request cancelled by the client"), flags=FINAL)
-                outputs = io.chunk_outputs(chunk, handle.stats, self.settings.batched)
-                sender.send(io.response(pb_utils, outputs), flags=FINAL if chunk.finished else 0)
-                if chunk.finished:
-                    return self.metrics.observe(handle.stats)
-            sender.send(flags=FINAL)
-        except Exception as exc:  # this request's stream carries the error; the model keeps serving
-            sender.send(io.error_response(pb_utils, exc), flags=FINAL)
-
     def finalize(self):
+        self.session.close()
         self.metrics.close()
 
 
-def _guarded(work, argument):
+def _guarded(work, *arguments):
     try:
-        return work(argument)
+        return work(*arguments)
     except Exception as exc:  # this request's response carries the error; the model keeps serving
         return io.error_response(pb_utils, exc)
