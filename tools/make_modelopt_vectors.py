@@ -107,9 +107,10 @@ def export_stories260k(mode: str, calibration: torch.Tensor) -> dict:
         with safe_open(str(Path(out) / "model.safetensors"), "pt") as handle:
             for name in sorted(handle.keys()):
                 tensor = handle.get_tensor(name)
+                raw = tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
                 entry = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-                         "sha256": hashlib.sha256(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()}
-                if name.endswith(("input_scale", "weight_scale_2")) or (mode == "fp8" and name.endswith("weight_scale")):
+                         "sha256": hashlib.sha256(raw).hexdigest()}
+                if tensor.dim() == 0:  # the scalar scales, readable in the file
                     entry["value"] = tensor.item()
                 tensors[name] = entry
     return {"hf_quant_config": hf_quant, "quantization_config": quantization_config, "tensors": tensors}

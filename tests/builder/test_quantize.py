@@ -212,7 +212,8 @@ def test_quantize_target_matches_modelopt_export_of_stories260k_bit_for_bit(quan
     assert sorted(state) == sorted(reference["tensors"])
     for name, tensor in state.items():
         expected = reference["tensors"][name]
-        assert (str(tensor.dtype).removeprefix("torch."), list(tensor.shape)) == (expected["dtype"], expected["shape"]), name
+        found = (str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+        assert found == (expected["dtype"], expected["shape"]), name
         assert digest(tensor) == expected["sha256"], name
     assert quant_config["quantization"] == reference["hf_quant_config"]["quantization"]
     ours = quantization_config(quant_config)
@@ -261,8 +262,7 @@ def test_export_folder_has_the_names_dtypes_and_shapes_serving_md_documents(quan
             if prefix in hf_quant["exclude_modules"]:  # NVFP4 down_proj: 172 inputs
                 assert mode == "nvfp4" and in_features % 16 and stored[prefix + ".weight"].dtype == torch.float32
                 continue
-            layout = {f"{prefix}.{k}": (v.dtype, tuple(v.shape)) for k, v in
-                      ((key.removeprefix(prefix + "."), t) for key, t in stored.items() if key.startswith(prefix + "."))}
+            layout = {key: (t.dtype, tuple(t.shape)) for key, t in stored.items() if key.startswith(prefix + ".")}
             scalar = (torch.float32, ())
             if mode == "fp8":
                 expected = {"weight": (torch.float8_e4m3fn, (out_features, in_features)), "weight_scale": scalar,

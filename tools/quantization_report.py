@@ -1,0 +1,66 @@
+"""Produce the numbers of docs/quantization.md: τ, agreement and weight bytes per quantisation mode.
+
+Run from the repository root (about 5 minutes on one CPU thread)::
+
+    .venv/bin/python tools/quantization_report.py --out /tmp/quantization_report.json
+
+Defaults: the embedded stories260K pair (``load_pair()``), the first sentences of the 21 held-out
+TinyStories stories (``shared/assets/tinystories/TinyStories-valid-head21.txt``), greedy, B=16, 256 new
+tokens, stop tokens off. Calibration: the first 16 paragraphs of at least 64 tokens of
+``shared/assets/tinystories/tinystories-train-head-lowercased.txt``, cut to 64 tokens (the same
+procedure as ``tools/make_modelopt_vectors.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_trt.builder.load import load_pair  # noqa: E402
+from dflash_trt.builder.quantization_report import measure_quantization  # noqa: E402
+from dflash_trt.builder.quantized_checkpoint import calibration_batch  # noqa: E402
+from dflash_trt.training.prompts import read_prompts  # noqa: E402
+
+ASSETS = ROOT.parent / "shared" / "assets" / "tinystories"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None, help="target checkpoint (default: embedded stories260K)")
+    parser.add_argument("--draft", default=None, help="drafter folder (default: the embedded drafter)")
+    parser.add_argument("--prompts", default=str(ASSETS / "TinyStories-valid-head21.txt"))
+    parser.add_argument("--calibration", default=str(ASSETS / "tinystories-train-head-lowercased.txt"))
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--block-len", type=int, default=16)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    pair = load_pair(args.target, args.draft)
+    prompts = read_prompts(args.prompts)
+    paragraphs = [line for line in Path(args.calibration).read_text().splitlines() if line.strip()]
+    calibration = calibration_batch(pair.tokenizer, paragraphs[:64], 64)[:16]
+    rows = measure_quantization(pair, prompts, calibration, max_new_tokens=args.max_new_tokens,
+                                block_len=args.block_len)
+    print("| mode | activations | τ (pooled) | τ (mean of prompts) | agreement to 1st divergence | agreement overall "
+          "| teacher-forced agreement | identical to float | speculative == plain | checkpoint bytes | linear bytes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.mode} | {r.activations} | {r.tau:.3f} | {r.tau_mean_of_prompts:.3f} | "
+              f"{r.agreement_to_first_divergence:.3f} | {r.agreement_overall:.3f} | {r.teacher_forced_agreement:.3f} | "
+              f"{r.identical_to_float}/{r.prompts} "
+              f"| {r.lossless}/{r.prompts} | {r.checkpoint_bytes:,} | {r.linear_bytes:,} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "prompts": prompts,
+                                              "rows": [r.to_dict() for r in rows]}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
