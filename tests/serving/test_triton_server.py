@@ -52,6 +52,15 @@ def as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
+def counters(server, model: str) -> dict[str, float]:
+    """The model's dflash_* samples from /metrics, keyed ``name`` or ``name/position``."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    wanted = f'model="{model}"'
+    return {line.split("{")[0] + ("/" + line.split('position="')[1].split('"')[0] if "position=" in line else ""):
+            float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("dflash_") and wanted in line}
+
+
 def expected(session, prompt: str, **fields):
     return session.generate(prompt, SamplingParams.create(**fields))
 
@@ -187,6 +196,42 @@ def test_tritonclient_grpc_stream_equals_session_generate(triton_server, referen
     assert len(texts) > 1
 
 
+def test_cancelled_grpc_stream_ends_and_the_stream_model_keeps_serving(triton_server, reference_session):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    before = counters(triton_server, STREAMING)
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        inputs = []
+        for name, value, dtype in (("text_input", np.array([[PROMPTS[0].encode()]], dtype=np.object_), "BYTES"),
+                                   ("max_tokens", np.array([[400]], dtype=np.int32), "INT32"),
+                                   ("stream", np.array([[True]], dtype=bool), "BOOL")):
+            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        client.async_stream_infer(STREAMING, inputs)
+        for _ in range(3):
+            result, error = answers.get(timeout=TIMEOUT_S)
+            assert error is None, error
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    status, events = post_stream(f"{triton_server.http_url}/v2/models/{STREAMING}/generate_stream",
+                                 {"text_input": PROMPTS[3], "max_tokens": 10, "stream": True})
+    assert status == 200, events
+    result = expected(reference_session, PROMPTS[3], max_new_tokens=10)
+    assert "".join(e["text_output"] for e in events) == result.text
+    # the model runs one execute at a time, so the follow-up ran after the cancelled request ended; a cancelled
+    # request is not counted, so the counters grew by the follow-up alone (a 400-token run would add far more)
+    grew = counters(triton_server, STREAMING)["dflash_spec_decode_num_draft_tokens_total"] - before.get(
+        "dflash_spec_decode_num_draft_tokens_total", 0.0)
+    assert grew == result.stats.num_draft_tokens
+
+
 BAD_REQUESTS = [
     pytest.param({"text_input": PROMPTS[0]}, "max_tokens", id="missing-input"),
     pytest.param({"text_input": PROMPTS[0], "max_tokens": "many"}, "Unable to parse", id="wrong-type"),
@@ -260,17 +305,10 @@ def test_16_concurrent_streams_each_add_up_to_session_generate(triton_server, re
 
 
 def test_prometheus_counters_grow_by_the_request_stats(triton_server, reference_session):
-    def counters() -> dict[str, float]:
-        with urllib.request.urlopen(triton_server.metrics_url, timeout=10) as response:
-            lines = response.read().decode().splitlines()
-        wanted = f'model="{NON_STREAMING}"'
-        return {line.split("{")[0] + ("/" + line.split('position="')[1].split('"')[0] if "position=" in line else ""):
-                float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("dflash_") and wanted in line}
-
-    before = counters()
+    before = counters(triton_server, NON_STREAMING)
     status, answer = generate(triton_server, {"text_input": PROMPTS[1], "max_tokens": 20})
     assert status == 200, answer
-    after = counters()
+    after = counters(triton_server, NON_STREAMING)
     stats = expected(reference_session, PROMPTS[1], max_new_tokens=20).stats
     grew = {name: after[name] - before.get(name, 0.0) for name in after}
     assert grew["dflash_spec_decode_num_drafts_total"] == stats.num_drafts
