@@ -12,7 +12,6 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-import torch
 
 NON_STREAMING = "dflash"
 STREAMING = "dflash_stream"
@@ -32,25 +31,11 @@ def need_pytriton() -> None:
 
 
 @pytest.fixture(scope="session")
-def stories_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(target, drafter): stories260K with the embedded drafter, or a random block-4 drafter while none ships."""
+def stories_pair() -> tuple[Path, Path]:
+    """(target, drafter): the embedded stories260K pair, passed as explicit paths (the --target/--draft route)."""
     from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
 
-    target = embedded_target_path()
-    if embedded_draft_path().is_dir():
-        return target, embedded_draft_path()
-    from tiny_models import DraftSpec, draft_config_for_spec
-
-    from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
-    from dflash_trt.builder.load import load_target
-    from dflash_trt.model.draft_head import DraftHead
-
-    target_model, _ = load_target(target)
-    torch.manual_seed(0)
-    head = DraftHead(draft_config_for_spec(target_model.config, DraftSpec(block_size=4)))
-    folder = tmp_path_factory.mktemp("stories-drafter")
-    save_draft_checkpoint(head, folder)
-    return target, folder
+    return embedded_target_path(), embedded_draft_path()
 
 
 @pytest.fixture(scope="session")

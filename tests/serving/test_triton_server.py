@@ -89,6 +89,7 @@ def test_generate_endpoint_equals_session_generate(triton_server, reference_sess
     status, answer = generate(triton_server, {"text_input": prompt, "max_tokens": 24})
     assert status == 200, answer
     assert_matches(answer, expected(reference_session, prompt, max_new_tokens=24))
+    assert answer["num_accepted_draft_tokens"] > 0 and answer["acceptance_length"] > 1  # speculation really ran
 
 
 def test_engine_backed_model_loads_with_session_load_and_equals_session_generate(triton_server, reference_session):
