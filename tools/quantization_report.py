@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_trt.builder.load import load_pair  # noqa: E402
-from dflash_trt.builder.quantization_report import measure_quantization  # noqa: E402
+from dflash_trt.bench.quantization_report import measure_quantization  # noqa: E402
 from dflash_trt.builder.quantized_checkpoint import calibration_batch  # noqa: E402
 from dflash_trt.training.prompts import read_prompts  # noqa: E402
 

@@ -66,6 +66,11 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[T
         raise CheckpointFormatError(f"{path}: is a {path.suffix or 'suffix-less'} file; expected a checkpoint folder "
                                     "with config.json or a llama2.c .bin. Fix: pass the folder that holds it.")
     if (path / "config.json").is_file():
+        if (path / "hf_quant_config.json").is_file():  # a ModelOpt FP8/NVFP4 export (builder/quantize.py)
+            from dflash_trt.builder.quantized_checkpoint import load_quantized_target
+
+            model, tokenizer = load_quantized_target(path)
+            return model.to(dtype), tokenizer
         return load_hf_target(path, dtype)
     model_file = find_llama2c_model(path)
     if model_file is not None:
