@@ -10,17 +10,21 @@ Layout, as TensorRT-LLM's ``triton_backend/all_models/llmapi/tensorrt_llm`` expe
 here: copy ``triton_backend/all_models/llmapi/tensorrt_llm/1/model.py`` (and ``helpers.py``) of your TensorRT-LLM
 version. This variant cannot run on a CPU machine (TensorRT-LLM needs a GPU); what is checked here is the YAML's
 DFlash fields against the drafter (``validate_model_yaml``) and that ``config.pbtxt`` parses into ``ModelConfig``.
+The ``LLM()`` options schema is the builder's (``builder.bundle_trtllm``): an engine built with
+``--backend trtllm`` contributes its bundle (HF target folder included) unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
 
-from dflash_trt.errors import ServingError
+from dflash_trt.builder.bundle_trtllm import LlmApiOptions, validate_options
+from dflash_trt.errors import DFlashError, ServingError
 
 LLMAPI_INPUTS = (
     ("text_input", "TYPE_STRING", "-1", False),
@@ -41,44 +45,22 @@ LLMAPI_OUTPUTS = (
     ("total_accepted_draft_tokens", "TYPE_INT32", "1"),
     ("total_draft_tokens", "TYPE_INT32", "1"),
 )
-_STRICT = ConfigDict(extra="forbid", frozen=True)
-
-
-class DFlashSpeculativeConfig(BaseModel):
-    """``speculative_config`` of TensorRT-LLM's ``DFlashDecodingConfig`` (1.3.0rc27 / 1.4.0rc1 field names)."""
-
-    model_config = _STRICT
-    decoding_type: str = Field(pattern="^DFlash$", description="Discriminator: always DFlash.")
-    speculative_model: str = Field(min_length=1, description="Drafter folder or HF id (alias speculative_model_dir).")
-    max_draft_len: PositiveInt = Field(description="K drafts per step; <= the drafter's block_size - 1.")
-    mask_token_id: NonNegativeInt | None = Field(default=None, description="Null = read from the drafter config.")
-    target_layer_ids: list[NonNegativeInt] | None = Field(default=None, description="Null = from the drafter config.")
-    max_concurrency: PositiveInt | None = Field(default=None, description="Plain decoding above this batch size.")
 
 
 class TritonSection(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(extra="forbid", frozen=True)
     max_batch_size: NonNegativeInt = Field(description="0: the llmapi model.py does not batch (upstream note).")
     decoupled: bool = Field(description="True to stream (the model's transaction policy).")
 
 
-class KvCacheSection(BaseModel):
-    model_config = _STRICT
-    free_gpu_memory_fraction: float = Field(gt=0, le=1, description="KV cache share of free GPU memory.")
+class LlmApiModelYaml(LlmApiOptions):
+    """``1/model.yaml``: the builder's validated ``LLM()`` options plus the target, parallelism and
+    ``triton_config`` (one schema for the DFlash fields: ``builder.bundle_trtllm``)."""
 
-
-class LlmApiModelYaml(BaseModel):
-    """The keys this exporter writes into ``1/model.yaml`` (a subset of ``TorchLlmArgs`` plus ``triton_config``)."""
-
-    model_config = _STRICT
     model: str = Field(min_length=1, description="Target: HF folder or hub id (TensorRT-LLM loads HF checkpoints).")
-    backend: str = Field(pattern="^pytorch$", description="LLM-API backend; DFlash is PyTorch-backend only.")
+    backend: Literal["pytorch"] = Field(description="LLM-API backend; DFlash is PyTorch-backend only.")
     tensor_parallel_size: PositiveInt = Field(default=1, description="Tensor-parallel ranks.")
     pipeline_parallel_size: PositiveInt = Field(default=1, description="Pipeline-parallel ranks.")
-    max_batch_size: PositiveInt = Field(description="Executor batch limit.")
-    max_seq_len: PositiveInt = Field(description="Set explicitly: the drafter context arena is dense in it.")
-    kv_cache_config: KvCacheSection = Field(description="KV cache sizing.")
-    speculative_config: DFlashSpeculativeConfig = Field(description="The DFlash drafter settings.")
     triton_config: TritonSection = Field(description="Triton overrides read by the llmapi model.py.")
 
 
@@ -92,31 +74,35 @@ class DrafterFacts:
     max_position_embeddings: int
 
 
-def model_yaml(target: str, draft: str, facts: DrafterFacts, *, streaming: bool, max_batch_size: int,
-               max_seq_len: int | None = None, draft_len: int | None = None) -> LlmApiModelYaml:
-    """The validated ``model.yaml`` content (``draft_len`` defaults to ``block_len - 1``)."""
-    return LlmApiModelYaml(
-        model=target, backend="pytorch", max_batch_size=max(1, max_batch_size),
-        max_seq_len=max_seq_len or min(facts.max_position_embeddings, 8192),
-        kv_cache_config=KvCacheSection(free_gpu_memory_fraction=0.85),
-        speculative_config=DFlashSpeculativeConfig(
-            decoding_type="DFlash", speculative_model=draft, max_draft_len=draft_len or facts.block_len - 1,
-            mask_token_id=facts.mask_token_id, target_layer_ids=list(facts.target_layer_ids)),
-        triton_config=TritonSection(max_batch_size=0, decoupled=streaming))
+def default_options(facts: DrafterFacts, draft: str, max_batch_size: int) -> dict[str, Any]:
+    """``LLM()`` options for a pair without a ``--backend trtllm`` bundle (same rules as the builder's bundle)."""
+    max_seq_len = min(facts.max_position_embeddings, 8192)
+    return {"max_batch_size": max(1, max_batch_size), "max_seq_len": max_seq_len,
+            "max_num_tokens": max(max(1, max_batch_size) * facts.block_len, max_seq_len),
+            "kv_cache_config": {"free_gpu_memory_fraction": 0.85},
+            "speculative_config": {"decoding_type": "DFlash", "speculative_model": draft,
+                                   "max_draft_len": facts.block_len - 1, "mask_token_id": facts.mask_token_id,
+                                   "target_layer_ids": list(facts.target_layer_ids)}}
+
+
+def model_yaml(target: str, options: dict[str, Any], *, streaming: bool) -> LlmApiModelYaml:
+    """The validated ``model.yaml`` content: ``options`` plus target, backend and ``triton_config``."""
+    return LlmApiModelYaml.model_validate({"model": target, "backend": "pytorch", "tensor_parallel_size": 1,
+                                           "pipeline_parallel_size": 1, **options,
+                                           "triton_config": {"max_batch_size": 0, "decoupled": streaming}})
 
 
 def validate_model_yaml(path: Path, facts: DrafterFacts) -> LlmApiModelYaml:
     """Parse ``model.yaml`` strictly and check its DFlash fields against the drafter; raise with the fix."""
     try:
         parsed = LlmApiModelYaml.model_validate(yaml.safe_load(Path(path).read_text(encoding="utf-8")))
-    except (ValidationError, yaml.YAMLError) as exc:
+        options = parsed.model_dump(include=set(LlmApiOptions.model_fields))
+        validate_options(options, facts.block_len, str(path))  # max_draft_len <= block_size - 1
+    except (ValidationError, yaml.YAMLError, DFlashError) as exc:
         raise ServingError(f"{path}: not a valid DFlash llmapi model.yaml ({exc}). Fix: re-export with "
                            "`dflash-trt triton export --llmapi-repo DIR`.") from None
     spec = parsed.speculative_config
     problems = []
-    if spec.max_draft_len > facts.block_len - 1:
-        problems.append(f"max_draft_len is {spec.max_draft_len}; expected <= block_len - 1 = {facts.block_len - 1} "
-                        "(TensorRT-LLM refuses it: 'DFlash checkpoint was trained with block_size=...')")
     if spec.mask_token_id is not None and spec.mask_token_id != facts.mask_token_id:
         problems.append(f"mask_token_id is {spec.mask_token_id}; expected the drafter's {facts.mask_token_id}")
     if spec.target_layer_ids is not None and tuple(spec.target_layer_ids) != facts.target_layer_ids:
@@ -153,7 +139,9 @@ def write_variant(repo: Path, name: str, content: LlmApiModelYaml, facts: Drafte
     (model_dir / "config.pbtxt").write_text(render_config(name), encoding="utf-8")
     header = ("# TensorRT-LLM LLM-API kwargs for Triton's llmapi model (serving.md §2.3, §6.1); generated by\n"
               "# `dflash-trt triton export --llmapi-repo`. Needs a GPU and TensorRT-LLM with DFlash support.\n")
-    body = yaml.safe_dump(content.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    dump = content.model_dump(mode="json", exclude_unset=True)
+    first = ("model", "backend", "tensor_parallel_size", "pipeline_parallel_size")  # as upstream's model.yaml
+    body = yaml.safe_dump({**{k: dump.pop(k) for k in first if k in dump}, **dump}, sort_keys=False)
     path = model_dir / "1" / "model.yaml"
     path.write_text(header + body, encoding="utf-8")
     validate_model_yaml(path, facts)

@@ -146,9 +146,8 @@ def export_repository(config: TritonExportConfig) -> ExportResult:
     if config.llmapi_repo is not None:
         from dflash_trt.serving import triton_llmapi
 
-        target, draft, facts = llmapi_sources(config)
-        content = triton_llmapi.model_yaml(target, draft, facts, streaming=config.streaming,
-                                           max_batch_size=config.max_batch_size)
+        target, options, facts = llmapi_sources(config)
+        content = triton_llmapi.model_yaml(target, options, streaming=config.streaming)
         llmapi_dir = triton_llmapi.write_variant(config.llmapi_repo, config.name, content, facts, config.force)
     if _have_tritonclient():
         check_model_config(config_path)
@@ -158,9 +157,11 @@ def export_repository(config: TritonExportConfig) -> ExportResult:
 
 
 def llmapi_sources(config: TritonExportConfig):
-    """``(target, draft, DrafterFacts)`` for model.yaml, from the engine manifest or the drafter's config.json."""
+    """``(target, LLM() options, DrafterFacts)`` for model.yaml: an engine's ``--backend trtllm`` bundle as built
+    (its HF target folder included), else options made from the drafter's config and the target's path."""
+    from dflash_trt.builder import bundle_trtllm
     from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
-    from dflash_trt.serving.triton_llmapi import DrafterFacts
+    from dflash_trt.serving.triton_llmapi import DrafterFacts, default_options
 
     if config.engine is not None:
         from dflash_trt.builder.manifest import read_manifest
@@ -169,9 +170,15 @@ def llmapi_sources(config: TritonExportConfig):
         if manifest.dflash is None or "draft" not in manifest.sources:
             raise ServingError(f"{config.engine}: the engine has no drafter; expected a DFlash pair for the llmapi "
                                "speculative_config. Fix: build the engine with --draft DIR.")
-        target, draft = manifest.sources["target"].path, manifest.sources["draft"].path
         facts = DrafterFacts(manifest.dflash.block_len, manifest.dflash.mask_token_id,
                              tuple(manifest.dflash.target_layer_ids), manifest.target_config.max_position_embeddings)
+        bundle = config.engine.resolve() / "trtllm"
+        if (bundle / bundle_trtllm.OPTIONS_FILE).is_file():
+            import yaml
+
+            options = yaml.safe_load((bundle / bundle_trtllm.OPTIONS_FILE).read_text(encoding="utf-8"))
+            return config.llmapi_model or str(bundle / "target"), options, facts
+        target, draft = manifest.sources["target"].path, manifest.sources["draft"].path
     else:
         from dflash_trt.builder.draft_checkpoint import parse_draft_config
         from dflash_trt.builder.safe_files import read_json
@@ -188,8 +195,8 @@ def llmapi_sources(config: TritonExportConfig):
     if config.llmapi_model is None and not (Path(target) / "config.json").is_file():
         raise ServingError(f"{target}: is not an HF checkpoint folder; expected one, because TensorRT-LLM loads HF "
                            "checkpoints (llama2.c files cannot serve). Fix: pass --llmapi-model with the target's HF "
-                           "folder or hub id.")
-    return config.llmapi_model or target, draft, facts
+                           "folder or hub id, or export from an engine built with `dflash-trt build --backend trtllm`.")
+    return config.llmapi_model or target, default_options(facts, draft, config.max_batch_size), facts
 
 
 def _have_tritonclient() -> bool:

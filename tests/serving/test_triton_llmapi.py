@@ -90,3 +90,24 @@ def test_engine_manifest_supplies_the_drafter_facts(tmp_path, stories_engine, st
     facts = facts_of(stories_pair[1])
     assert content["speculative_config"]["max_draft_len"] == facts.block_len - 1
     assert tuple(content["speculative_config"]["target_layer_ids"]) == facts.target_layer_ids
+
+
+def test_engine_with_a_trtllm_bundle_serves_its_converted_hf_target(tmp_path, stories_pair):
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    engine = tmp_path / "engines" / "stories260K-trtllm"
+    # on CPU the build writes the bundle and exits 2 naming what needs a GPU; the folder is complete for export
+    CliRunner().invoke(main, ["build", "--out", str(engine), "--backend", "trtllm", "--json"])
+    assert (engine / "trtllm" / "llm_api_options.yaml").is_file()
+    result = export_repository(TritonExportConfig(repo=tmp_path / "repo", engine=engine, streaming=True,
+                                                  llmapi_repo=tmp_path / "trtllm"))
+    path = result.llmapi_dir / "1" / "model.yaml"
+    content = yaml.safe_load(path.read_text())
+    assert content["model"] == str((engine / "trtllm" / "target").resolve())  # llama2.c converted to HF by the build
+    assert content["speculative_config"]["speculative_model"] == str((engine / "trtllm" / "draft").resolve())
+    assert content["triton_config"] == {"max_batch_size": 0, "decoupled": True}
+    bundle = yaml.safe_load((engine / "trtllm" / "llm_api_options.yaml").read_text())
+    assert {key: content[key] for key in bundle} == bundle  # the bundle's options, unchanged
+    assert validate_model_yaml(path, facts_of(stories_pair[1])).speculative_config.max_draft_len == 15
