@@ -43,12 +43,13 @@ def calibrate(backend: BatchedBackend, costs: CostModel, has_drafter: bool, bloc
     config = backend.draft_config
     taps_width = len(config.target_layer_ids) * config.hidden_size if has_drafter else 0
     context = 4
+    device = getattr(backend, "device", torch.device("cpu"))
     for batch in _grid(backend.max_batch):
         for width in _grid(max(block_len, 1)):
             rows = [TargetRow(slot, [0] * width, 0) for slot in range(batch)]
             costs.record("verify", batch, width, _timed(lambda: backend.target_batch(rows, has_drafter)))
             if has_drafter and width > 1:
-                drafts = [DraftRow(slot, [0] * width, torch.zeros(context, taps_width), context)
+                drafts = [DraftRow(slot, [0] * width, torch.zeros(context, taps_width, device=device), context)
                           for slot in range(batch)]
                 costs.record("draft", batch, width, _timed(lambda: backend.draft_batch(drafts)))
     for slot in range(backend.max_batch):

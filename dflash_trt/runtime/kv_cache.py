@@ -47,7 +47,7 @@ class StaticKVCache:
         Shapes: keys/values ``[B, nkv, T, d]``. Lengths advance once per forward (:meth:`commit`).
         """
         if not isinstance(start, int):
-            slots = torch.tensor(start.slots)
+            slots = torch.tensor(start.slots, device=self.keys.device)
             # advanced indices [B,1] and [B,T] around a slice: the indexed view is [B, T, nkv, d]
             self.keys[layer][slots.unsqueeze(1), :, positions] = keys.transpose(1, 2)
             self.values[layer][slots.unsqueeze(1), :, positions] = values.transpose(1, 2)

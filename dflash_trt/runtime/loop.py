@@ -50,7 +50,8 @@ class RequestState:
         self.start = len(prompt_ids)
         self.anchor = -1
         self.pending: list[Tensor] = []
-        self.drafts: Tensor = torch.empty(0, dtype=torch.long)
+        self.device = generator.device  # the backend's device: logits, drafts and draws live there
+        self.drafts: Tensor = torch.empty(0, dtype=torch.long, device=self.device)
         self.draft_probs: Tensor | None = None
         self.finished = False
 
@@ -77,7 +78,7 @@ class RequestState:
     def draft_row(self, draft_len: int) -> DraftRow | None:
         """The next draft call, or None when this cycle drafts nothing (``draft_len`` 0 or no room left)."""
         block_size = min(draft_len + 1, self.max_length - self.start)  # the block shrinks at the end (parity)
-        self.drafts, self.draft_probs = torch.empty(0, dtype=torch.long), None
+        self.drafts, self.draft_probs = torch.empty(0, dtype=torch.long, device=self.device), None
         if block_size <= 1:
             return None
         taps = torch.cat(self.pending) if len(self.pending) != 1 else self.pending[0]

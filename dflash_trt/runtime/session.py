@@ -69,7 +69,8 @@ class Session:
     """
 
     def __init__(self, pair: ModelPair, *, backend: str = "torch", max_seq_len: int | None = None,
-                 engine=None, max_batch: int = 1, speculation: SpeculationConfig | None = None) -> None:
+                 engine=None, max_batch: int = 1, speculation: SpeculationConfig | None = None,
+                 device: str = "cpu") -> None:
         limit = pair.target.config.max_position_embeddings
         if pair.draft is not None:  # the drafter's RoPE table covers its own max_position_embeddings
             limit = min(limit, pair.draft.config.max_position_embeddings)
@@ -77,6 +78,11 @@ class Session:
         if self.max_seq_len > limit:
             raise RequestError(f"max_seq_len is {self.max_seq_len}; expected <= {limit}, the max_position_embeddings "
                                "of the target (and drafter). Fix: pass a smaller --max-seq-len.")
+        if device != "cpu":
+            _check_device(device, backend)
+            pair.target.to(device)
+            if pair.draft is not None:
+                pair.draft.to(device)
         self.pair = pair
         self.engine = engine
         self.speculation = speculation or SpeculationConfig()
@@ -92,10 +98,12 @@ class Session:
     def from_checkpoints(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
                          dtype: str = "float32", backend: str = "torch", use_draft: bool = True,
                          max_seq_len: int | None = None, max_batch: int = 1,
-                         speculation: SpeculationConfig | None = None) -> Session:
-        """Load checkpoints (``None`` = the embedded stories260K pair) and build a session."""
+                         speculation: SpeculationConfig | None = None, device: str = "cpu") -> Session:
+        """Load checkpoints (``None`` = the embedded stories260K pair) and build a session.
+
+        ``device`` (torch backend): ``cpu``, or ``cuda``/``cuda:N`` to run the same code on a GPU."""
         return cls(load_pair(target, draft, dtype=dtype, use_draft=use_draft), backend=backend,
-                   max_seq_len=max_seq_len, max_batch=max_batch, speculation=speculation)
+                   max_seq_len=max_seq_len, max_batch=max_batch, speculation=speculation, device=device)
 
     @classmethod
     def load(cls, engine_dir: str | Path, backend: str = "auto", *, max_seq_len: int | None = None,
@@ -167,10 +175,11 @@ class Session:
         mask_token_id = self.pair.draft.config.mask_token_id if self.pair.draft is not None else 0
         seed = params.seed if params.seed is not None else 0
         handle = RequestHandle(prompt_ids, params, self.decode_text)
+        generator_device = getattr(self.backend, "device", "cpu")
 
         def make_state(slot: int) -> RequestState:
             return RequestState(slot, prompt_ids, params, block_len, stop_ids, mask_token_id,
-                                torch.Generator().manual_seed(seed))
+                                torch.Generator(device=generator_device).manual_seed(seed))
 
         self._scheduler.submit(make_state, handle._deliver, handle._cancelled)
         return handle
@@ -219,6 +228,17 @@ class Session:
     def close(self) -> None:
         """Stop the worker after the requests already submitted."""
         self._scheduler.close()
+
+
+def _check_device(device: str, backend: str) -> None:
+    if backend not in ("torch", "auto"):
+        raise RequestError(f"device is {device!r} with backend {backend!r}; expected device 'cpu' (only the torch "
+                           "backend places weights by device). Fix: drop --device or pass --backend torch.")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        from dflash_trt.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"device is {device!r} but torch sees no CUDA GPU here; expected a machine "
+                                      "with an NVIDIA GPU and a CUDA build of torch. Fix: pass --device cpu.")
 
 
 class RequestHandle:

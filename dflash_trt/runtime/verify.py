@@ -58,10 +58,10 @@ def accept_rejection(drafts: Tensor, draft_probs: Tensor, target_probs: Tensor,
     Shapes: drafts ``[K]``, draft_probs ``[K, V]`` (q_1..q_K), target_probs ``[K+1, V]`` (p_0..p_K).
     """
     num_drafts = drafts.shape[0]
-    rows = torch.arange(num_drafts)
+    rows = torch.arange(num_drafts, device=drafts.device)
     q = draft_probs[rows, drafts]
     p = target_probs[rows, drafts]
-    u = torch.rand(num_drafts, generator=generator)
+    u = torch.rand(num_drafts, generator=generator, device=drafts.device)
     accepted = int(torch.cumprod(u * q < p, 0).sum())
     if accepted == num_drafts:
         return Verdict(accepted, int(draw(target_probs[-1:], generator)[0]))

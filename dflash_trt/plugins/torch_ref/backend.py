@@ -27,6 +27,7 @@ class TorchBackend:
         self.draft_config: DraftConfig | None = pair.draft.config if pair.draft is not None else None
         self.tap_ids = self.draft_config.target_layer_ids if self.draft_config else ()
         self.max_batch = max_batch
+        self.device = pair.target.embed_tokens.weight.device
         self.target_cache = pair.target.new_cache(max_batch, max_seq_len)
         self.draft_cache = pair.draft.new_cache(max_batch, max_seq_len) if pair.draft is not None else None
 
@@ -67,12 +68,14 @@ class TorchBackend:
     @torch.inference_mode()
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         if len(rows) == 1 and rows[0].slot == 0:
-            return [self.target(torch.tensor([rows[0].tokens]), rows[0].start, with_taps, rows[0].last_only)]
+            return [self.target(torch.tensor([rows[0].tokens], device=self.device), rows[0].start, with_taps,
+                                rows[0].last_only)]
         layout = TargetLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
                               tuple(len(r.tokens) for r in rows))
         tokens = torch.zeros(len(rows), layout.width, dtype=torch.long)
         for index, row in enumerate(rows):
             tokens[index, :len(row.tokens)] = torch.tensor(row.tokens)
+        tokens = tokens.to(self.device)
         logits, taps = self.target_model(tokens, layout, self.target_cache, self.tap_ids if with_taps else ())
         return [(logits[i, :len(r.tokens)], taps[i, :len(r.tokens)] if taps is not None else None)
                 for i, r in enumerate(rows)]
@@ -80,16 +83,17 @@ class TorchBackend:
     @torch.inference_mode()
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
         if len(rows) == 1 and rows[0].slot == 0:
-            return [self.draft(torch.tensor([rows[0].block]), rows[0].taps, rows[0].start)]
+            return [self.draft(torch.tensor([rows[0].block], device=self.device), rows[0].taps, rows[0].start)]
         layout = DraftLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
                              tuple(r.taps.shape[0] for r in rows), tuple(len(r.block) for r in rows))
         blocks = torch.zeros(len(rows), layout.block_width, dtype=torch.long)
-        taps = torch.zeros(len(rows), layout.context_width, rows[0].taps.shape[-1], dtype=rows[0].taps.dtype)
+        taps = torch.zeros(len(rows), layout.context_width, rows[0].taps.shape[-1], dtype=rows[0].taps.dtype,
+                           device=self.device)
         for index, row in enumerate(rows):
             blocks[index, :len(row.block)] = torch.tensor(row.block)
             if row.taps.shape[0]:
                 taps[index, layout.context_width - row.taps.shape[0]:] = row.taps  # right-aligned context
-        hidden = self.draft_model(self._block_embeds(blocks), taps, layout, self.draft_cache)
+        hidden = self.draft_model(self._block_embeds(blocks.to(self.device)), taps, layout, self.draft_cache)
         logits = self.draft_model.logits(hidden, self.target_model.lm_head.weight)
         for row in rows:
             self.draft_cache.crop_slot(row.slot, row.start)
