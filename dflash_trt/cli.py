@@ -82,6 +82,7 @@ Examples:
               "empty string = none).")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding through the same loop.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="torch backend device: cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--stream", is_flag=True, help="Print text as each cycle is verified.")
 def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, block_len,
@@ -103,7 +104,7 @@ def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temp
                                "Fix: drop --target/--draft.")
         session = Session.load(engine, backend)
     else:
-        session = Session.from_checkpoints(target, draft, dtype=dtype, use_draft=not no_draft)
+        session = Session.from_checkpoints(target, draft, dtype=dtype, use_draft=not no_draft, device=device)
     request = prompt if prompt is not None else list(_parse_ids(prompt_ids, "--prompt-ids"))
     if stream and not as_json:
         for chunk in session.stream(request, params):
