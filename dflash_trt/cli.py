@@ -86,7 +86,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--stream", is_flag=True, help="Print text as each cycle is verified.")
 def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, block_len,
-        proposal, stop_token_ids, no_draft, dtype, as_json, stream) -> None:
+        proposal, stop_token_ids, no_draft, dtype, device, as_json, stream) -> None:
     """Generate from a target with its DFlash drafter (or without, --no-draft)."""
     from dflash_trt.config import SamplingParams
     from dflash_trt.runtime.session import Session
