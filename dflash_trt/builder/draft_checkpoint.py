@@ -38,8 +38,8 @@ def _lookup(raw: dict[str, Any], key: str, default: Any = None) -> Any:
     return default
 
 
-def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
-    """Normalise a z-lab ``config.json`` dict into a ``DraftConfig``, refusing what we cannot run."""
+def _check_identity(raw: dict[str, Any], source: str) -> None:
+    """A v1 DFlash drafter (``DFlashDraftModel``, Qwen3 body, a ``dflash_config``); DFlash2 is refused (§5.4)."""
     architectures = raw.get("architectures")
     if architectures != [ARCHITECTURE]:
         if isinstance(architectures, list) and "DFlash2DraftModel" in architectures:
@@ -63,6 +63,27 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
         raise UnsupportedArchitectureError(f"{source}: field `model_type` is {raw.get('model_type')!r}; expected "
                                            "'qwen3' (DFlash drafters are Qwen3 decoder stacks). Fix: pass a z-lab "
                                            "DFlash drafter; other draft families are not supported.")
+
+
+def _layer_types(raw: dict[str, Any], num_layers: int, source: str) -> list[str]:
+    """``layer_types``, or what transformers' Qwen3Config derives from ``use_sliding_window``/``max_window_layers``."""
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        windowed = bool(raw.get("use_sliding_window")) and raw.get("sliding_window") is not None
+        first_sliding = raw.get("max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if windowed and i >= first_sliding else "full_attention"
+                       for i in range(num_layers)]
+    unknown = [kind for kind in layer_types if kind not in _LAYER_TYPES]
+    if unknown:
+        raise UnsupportedArchitectureError(f"{source}: field `layer_types` contains {unknown!r}; expected only "
+                                           f"{sorted(_LAYER_TYPES)}. Fix: use a DFlash (v1) drafter; other "
+                                           "attention kinds are not implemented.")
+    return layer_types
+
+
+def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
+    """Normalise a z-lab ``config.json`` dict into a ``DraftConfig``, refusing what we cannot run."""
+    _check_identity(raw, source)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(raw.get(key), int):
             raise CheckpointFormatError(f"{source}: field `{key}` is {raw.get(key)!r}; expected an integer. "
@@ -82,19 +103,8 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     elif not isinstance(layer_ids, list) or not all(isinstance(i, int) for i in layer_ids):
         raise CheckpointFormatError(f"{source}: field `dflash_config.target_layer_ids` is {layer_ids!r}; expected a "
                                     "list of target layer indices. Fix: write it as a JSON list, e.g. [1, 9, 17].")
-    layer_types = raw.get("layer_types")
+    layer_types = _layer_types(raw, num_layers, source)
     window = raw.get("sliding_window")
-    if layer_types is None:
-        # transformers' Qwen3Config derives the kinds from use_sliding_window / max_window_layers
-        windowed = bool(raw.get("use_sliding_window")) and window is not None
-        first_sliding = raw.get("max_window_layers", num_layers)
-        layer_types = ["sliding_attention" if windowed and i >= first_sliding else "full_attention"
-                       for i in range(num_layers)]
-    unknown = [kind for kind in layer_types if kind not in _LAYER_TYPES]
-    if unknown:
-        raise UnsupportedArchitectureError(f"{source}: field `layer_types` contains {unknown!r}; expected only "
-                                           f"{sorted(_LAYER_TYPES)}. Fix: use a DFlash (v1) drafter; other "
-                                           "attention kinds are not implemented.")
     softcap = _lookup(raw, "final_logit_softcapping")
     fields = dict(
         hidden_size=raw["hidden_size"],

@@ -17,6 +17,7 @@ import weakref
 from collections import deque
 from typing import Callable
 
+from dflash_trt.errors import RequestError
 from dflash_trt.runtime.backend import BatchedBackend
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import Cycle, RequestState
@@ -47,7 +48,7 @@ class Scheduler:
     def submit(self, make_state: Callable[[int], RequestState], sink: Sink, cancelled: threading.Event) -> None:
         with self._wake:
             if self._closed:
-                raise RuntimeError("session is closed")
+                raise RequestError("the session is closed; expected an open session. Fix: create a new Session.")
             self.queue.append((make_state, sink, cancelled))
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, name="dflash-scheduler", daemon=True)
