@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_trt.builder.load import embedded_target_path, load_target  # noqa: E402
-from dflash_trt.builder.quantized_checkpoint import calibration_batch, hf_config_json  # noqa: E402
+from dflash_trt.builder.hf_config import target_config_json  # noqa: E402
+from dflash_trt.builder.quantized_checkpoint import calibration_batch  # noqa: E402
 
 DATA = ROOT / "tests" / "builder" / "data"
 CALIBRATION_TEXTS = ROOT.parent / "shared" / "assets" / "tinystories" / "tinystories-train-head-lowercased.txt"
@@ -78,7 +79,7 @@ def export_stories260k(mode: str, calibration: torch.Tensor) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ours, _ = load_target(embedded_target_path())
-    config = LlamaConfig(**{k: v for k, v in hf_config_json(ours.config).items() if k not in ("dtype", "rope_scaling")})
+    config = LlamaConfig(**{k: v for k, v in target_config_json(ours.config).items() if k not in ("dtype", "rope_scaling")})
     model = LlamaForCausalLM(config).eval()
     missing, unexpected = model.load_state_dict({("" if k.startswith("lm_head") else "model.") + k: v
                                                  for k, v in ours.state_dict().items()}, strict=False)

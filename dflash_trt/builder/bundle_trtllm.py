@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
+from dflash_trt.builder.hf_config import target_config_json
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError
 
 OPTIONS_FILE = "llm_api_options.yaml"
@@ -98,31 +99,12 @@ def validate_options(options: dict[str, Any], drafter_block_size: int, source: s
     return parsed
 
 
-def hf_target_config(cfg) -> dict[str, Any]:
-    """transformers ``config.json`` of a ``TargetConfig`` (Llama or Qwen3; rotate-half RoPE, as stored)."""
-    rope: dict[str, Any] | None = None
-    if cfg.rope.kind != "default":
-        rope = {"rope_type": cfg.rope.kind, "factor": cfg.rope.factor}
-        if cfg.rope.kind == "llama3":
-            rope |= {"low_freq_factor": cfg.rope.low_freq_factor, "high_freq_factor": cfg.rope.high_freq_factor,
-                     "original_max_position_embeddings": cfg.rope.original_max_position_embeddings}
-    eos = list(cfg.eos_token_ids)
-    return {"architectures": ["Qwen3ForCausalLM" if cfg.family == "qwen3" else "LlamaForCausalLM"],
-            "model_type": cfg.family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-            "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope.theta, "rope_scaling": rope,
-            "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
-            "attention_bias": cfg.attention_bias, "hidden_act": "silu", "bos_token_id": cfg.bos_token_id,
-            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None), "torch_dtype": "float32"}
-
-
 def _write_hf_target(pair, folder: Path, tokenizer: tuple[str, Path] | None) -> list[str]:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
     cfg = pair.target.config
-    (folder / "config.json").write_text(json.dumps(hf_target_config(cfg), indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(target_config_json(cfg), indent=2) + "\n")
     state = {f"model.{name}": t.detach().float().contiguous() for name, t in pair.target.state_dict().items()
              if name != "lm_head.weight"}
     if not cfg.tie_word_embeddings:

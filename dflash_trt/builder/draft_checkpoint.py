@@ -17,7 +17,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from dflash_trt.builder.hf_config import parse_rope
+from dflash_trt.builder.hf_config import parse_rope, rope_scaling_json
 from dflash_trt.builder.safe_files import read_json, read_tensors, safetensors_files
 from dflash_trt.config import DraftConfig
 from dflash_trt.errors import CheckpointFormatError, UnsupportedArchitectureError
@@ -167,9 +167,6 @@ def load_draft_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32
 
 def draft_config_json(config: DraftConfig, dtype: str = "float32") -> dict[str, Any]:
     """The z-lab ``config.json`` for ``config`` (readable by transformers' Qwen3Config and dflash 0.1.0)."""
-    rope: dict[str, Any] = {"rope_theta": config.rope.theta, "rope_type": config.rope.kind}
-    if config.rope.kind != "default":  # every scaling field, so a load gives back the same RopeConfig
-        rope |= config.rope.model_dump(exclude={"theta", "kind"})
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -184,7 +181,7 @@ def draft_config_json(config: DraftConfig, dtype: str = "float32") -> dict[str, 
         "hidden_act": "silu",
         "max_position_embeddings": config.max_position_embeddings,
         "rope_theta": config.rope.theta,
-        "rope_scaling": None if config.rope.kind == "default" else rope,
+        "rope_scaling": rope_scaling_json(config.rope),
         "attention_bias": config.attention_bias,
         "attention_dropout": 0.0,
         "layer_types": ["sliding_attention" if s else "full_attention" for s in config.layer_sliding],

@@ -199,7 +199,7 @@ def _quantize(pair: ModelPair, mode: str, work: Path) -> tuple[ModelPair, Quanti
     emulation on CPU), so torch, ONNX Runtime and TensorRT run numerically the same quantized target.
     """
     from dflash_trt.builder import quantized_checkpoint as qc
-    from dflash_trt.builder.target_checkpoint import _strict_load
+    from dflash_trt.builder.target_checkpoint import load_checked
     from dflash_trt.model.target import TargetModel
 
     cfg = pair.target.config
@@ -219,7 +219,7 @@ def _quantize(pair: ModelPair, mode: str, work: Path) -> tuple[ModelPair, Quanti
     weights = {k: v for k, v in restored.state_dict().items() if not k.endswith(".input_scale")}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    _strict_load(plain, weights, str(folder))
+    load_checked(plain, weights, str(folder))
     details = quant_config["quantization"]
     quantization = Quantization(
         mode=mode, quant_algo=details["quant_algo"], group_size=details.get("group_size"),

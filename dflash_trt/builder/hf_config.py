@@ -1,6 +1,7 @@
 """Hugging Face ``config.json`` -> ``TargetConfig`` for Llama and Qwen3, and the shared RoPE parser.
 
-Accepts both RoPE layouts: flat ``rope_theta`` (+ ``rope_scaling``) and transformers-5
+``rope_scaling_json`` and ``target_config_json`` are the inverses (what the builder writes for
+transformers, TensorRT-LLM, vLLM and SGLang). Accepts both RoPE layouts: flat ``rope_theta`` (+ ``rope_scaling``) and transformers-5
 ``rope_parameters: {rope_theta, rope_type, ...}`` (dflash.md §5.3).
 """
 
@@ -87,3 +88,27 @@ def parse_target_config(raw: dict[str, Any], source: str) -> TargetConfig:
         first = exc.errors()[0]
         raise CheckpointFormatError(f"{source}: {'.'.join(map(str, first['loc'])) or 'config'}: {first['msg']} "
                                     f"(found {first.get('input')!r}). Fix: correct config.json.") from None
+
+
+def rope_scaling_json(rope: RopeConfig) -> dict[str, Any] | None:
+    """``rope_scaling`` for ``rope`` (None for default RoPE); every field, so parsing gives back the same config."""
+    if rope.kind == "default":
+        return None
+    return {"rope_type": rope.kind, **rope.model_dump(exclude={"theta", "kind"})}
+
+
+def target_config_json(config: TargetConfig, dtype: str = "float32") -> dict[str, Any]:
+    """An HF ``config.json`` for ``config`` that ``parse_target_config`` and transformers read back."""
+    architecture = next(name for name, family in SUPPORTED_TARGETS.items() if family == config.family)
+    eos = list(config.eos_token_ids)
+    return {
+        "architectures": [architecture], "model_type": config.family, "hidden_act": "silu",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope.theta,
+        "rope_scaling": rope_scaling_json(config.rope), "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
+        "bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "dtype": dtype,
+    }

@@ -46,8 +46,9 @@ from torch import Tensor, nn
 
 from dflash_trt import __version__
 from dflash_trt.builder import quantize as q
-from dflash_trt.builder.hf_config import parse_target_config
+from dflash_trt.builder.hf_config import parse_target_config, target_config_json
 from dflash_trt.builder.safe_files import read_json, read_tensors, safetensors_files
+from dflash_trt.builder.target_checkpoint import check_state_dict
 from dflash_trt.config import TargetConfig
 from dflash_trt.errors import CheckpointFormatError
 from dflash_trt.model.target import TargetModel
@@ -60,7 +61,6 @@ SHARED_INPUT_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_pro
 """Siblings that read one input; NVFP4 unifies their global and input scales (ModelOpt ``preprocess_linear_fusion``)."""
 ALWAYS_EXCLUDED = ("lm_head", "model.embed_tokens")
 QUANT_ALGOS: dict[str, str] = {"fp8": "FP8", "nvfp4": "NVFP4"}
-_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 Activations = Literal["quantized", "float"]
 
 
@@ -165,35 +165,12 @@ def quantization_config(quant_config: dict) -> dict:
             "producer": quant_config["producer"], "quant_method": "modelopt"}
 
 
-def hf_config_json(config: TargetConfig, dtype: str = "float32") -> dict:
-    """An HF ``config.json`` for ``config`` that ``parse_target_config`` (and transformers) read back."""
-    architecture, model_type = _ARCHITECTURES[config.family]
-    rope: dict[str, Any] | None = None
-    if config.rope.kind != "default":
-        rope = {"rope_type": config.rope.kind, "factor": config.rope.factor}
-        if config.rope.kind == "llama3":
-            rope |= {"low_freq_factor": config.rope.low_freq_factor, "high_freq_factor": config.rope.high_freq_factor,
-                     "original_max_position_embeddings": config.rope.original_max_position_embeddings}
-    return {
-        "architectures": [architecture], "model_type": model_type, "hidden_act": "silu",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope.theta,
-        "rope_scaling": rope, "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) != 1 else config.eos_token_ids[0],
-        "dtype": dtype,
-    }
-
-
 def save_quantized_target(folder: str | Path, config: TargetConfig, state: dict[str, Tensor], quant_config: dict,
                           tokenizer_file: Path | None = None) -> Path:
     """Write ``config.json``, ``hf_quant_config.json`` and ``model.safetensors`` (+ a copy of ``tokenizer_file``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    hf_config = hf_config_json(config) | {"quantization_config": quantization_config(quant_config)}
+    hf_config = target_config_json(config) | {"quantization_config": quantization_config(quant_config)}
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (folder / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=4) + "\n")
     save_file({name: t.contiguous() for name, t in state.items()}, str(folder / "model.safetensors"),
@@ -255,14 +232,7 @@ def dequantize_into(model: TargetModel, state: dict[str, Tensor], quant_config: 
     expected = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    unknown, missing = sorted(set(plain) - set(expected)), sorted(set(expected) - set(plain))
-    if unknown or missing:
-        raise CheckpointFormatError(f"{source}: tensors do not match config.json: unknown {unknown[:6]}, missing "
-                                    f"{missing[:6]}. Fix: use the config.json saved with these weights.")
-    for name, tensor in plain.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointFormatError(f"{source}: tensor `{name}` has shape {tuple(tensor.shape)}; expected "
-                                        f"{tuple(expected[name].shape)}. Fix: re-export the model.")
+    check_state_dict(expected, plain, source)
     model.load_state_dict({k: v.float() for k, v in plain.items()}, strict=False)
     return model
 

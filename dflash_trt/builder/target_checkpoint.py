@@ -27,10 +27,8 @@ _LLAMA2C_NORM_EPS = 1e-5
 _IGNORED_HF_KEYS = ("rotary_emb.inv_freq",)
 
 
-def _strict_load(model: TargetModel, state: dict[str, torch.Tensor], source: str) -> None:
-    expected = model.state_dict()
-    if model.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse unknown, missing or mis-shaped tensors (the explicit key table's shape check, style R8)."""
     unknown = sorted(set(state) - set(expected))
     missing = sorted(set(expected) - set(state))
     if unknown or missing:
@@ -40,6 +38,14 @@ def _strict_load(model: TargetModel, state: dict[str, torch.Tensor], source: str
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointFormatError(f"{source}: tensor `{name}` has shape {tuple(tensor.shape)}; expected "
                                         f"{tuple(expected[name].shape)} from config.json. Fix: re-export the model.")
+
+
+def load_checked(model: TargetModel, state: dict[str, torch.Tensor], source: str) -> None:
+    """``load_state_dict`` after :func:`check_state_dict` (a tied ``lm_head`` is not expected in the file)."""
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    check_state_dict(expected, state, source)
     model.load_state_dict(state, strict=False)  # lm_head shares the embedding when tied
 
 
@@ -53,7 +59,7 @@ def load_hf_target(folder: Path, dtype: torch.dtype) -> tuple[TargetModel, Token
             continue
         state[name.removeprefix("model.")] = tensor.to(torch.float32)
     model = TargetModel(config)
-    _strict_load(model, state, str(folder))
+    load_checked(model, state, str(folder))
     tokenizer_file = folder / "tokenizer.json"
     return model.to(dtype).eval(), (HFTokenizer(tokenizer_file) if tokenizer_file.is_file() else None)
 
@@ -131,7 +137,7 @@ def load_llama2c_target(path: Path, dtype: torch.dtype) -> tuple[TargetModel, To
         raise refuse_pickle(path)
     config, state = read_llama2c(path)
     model = TargetModel(config)
-    _strict_load(model, state, str(path))
+    load_checked(model, state, str(path))
     tokenizer = next((Llama2cTokenizer(p) for p in (path.with_name("tok512.bin"), path.with_name("tokenizer.bin"))
                       if p.is_file()), None)
     return model.to(dtype).eval(), tokenizer

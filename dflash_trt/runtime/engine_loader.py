@@ -109,14 +109,14 @@ def check_plugins(manifest: Manifest, folder: Path) -> None:
 
 def _load_target(folder: Path, manifest: Manifest) -> TargetModel:
     from dflash_trt.builder.safe_files import read_tensors
-    from dflash_trt.builder.target_checkpoint import _strict_load
+    from dflash_trt.builder.target_checkpoint import load_checked
 
     artefact = manifest.artefact("target_weights")
     if artefact is None:
         raise EngineFormatError(f"{folder}: manifest lists no `target_weights` artefact; expected torch/target."
                                 f"safetensors. Fix: rebuild with `{manifest.build.command}`.")
     model = TargetModel(manifest.target_config)
-    _strict_load(model, read_tensors([folder / artefact.path]), str(folder / artefact.path))
+    load_checked(model, read_tensors([folder / artefact.path]), str(folder / artefact.path))
     return model.eval()
 
 

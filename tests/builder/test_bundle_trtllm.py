@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_trt.builder.bundle_trtllm import TrtLlmRunner, hf_target_config, validate_options
+from dflash_trt.builder.bundle_trtllm import TrtLlmRunner, validate_options
+from dflash_trt.builder.hf_config import target_config_json
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError
 
 GOOD = {"max_batch_size": 4, "max_seq_len": 512, "max_num_tokens": 512,
@@ -39,7 +40,7 @@ def test_hf_config_of_a_qwen3_target_round_trips_through_our_parser():
     cfg = TargetConfig(family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6),
                        max_position_embeddings=512, tie_word_embeddings=False, eos_token_ids=(2,))
-    assert parse_target_config(hf_target_config(cfg), "x") == cfg
+    assert parse_target_config(target_config_json(cfg), "x") == cfg
 
 
 def test_runner_refuses_an_engine_without_a_bundle(tmp_path_factory):
