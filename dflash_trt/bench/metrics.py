@@ -63,5 +63,6 @@ def summarize(timings: Sequence[Timing], wall_s: float, cost_per_hour: float | N
             "num_drafts": merged.num_drafts,
             "num_draft_tokens": merged.num_draft_tokens,
             "num_accepted_tokens": merged.num_accepted_tokens,
+            "draft_lens_used": {str(k): v for k, v in sorted(merged.draft_lens_used.items())},
         }
     return out

@@ -14,7 +14,7 @@ import torch
 from dflash_trt.runtime.backend import BatchedBackend, DraftRow, TargetRow
 from dflash_trt.runtime.costs import CostModel
 
-_REPEATS = 3
+_REPEATS = 5
 
 
 def _grid(limit: int) -> list[int]:
@@ -36,7 +36,7 @@ def _timed(run) -> float:
 
 
 def calibrate(backend: BatchedBackend, costs: CostModel, has_drafter: bool, block_len: int) -> CostModel:
-    """Fill ``costs`` with the best-of-3 time of verify and draft forwards (batch x width grid).
+    """Fill ``costs`` with the best-of-5 time of verify and draft forwards (batch x width grid).
 
     Rows start at position 0 of every slot (scratch content; all slots are reset afterwards).
     """

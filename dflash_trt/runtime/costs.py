@@ -1,4 +1,5 @@
-"""Measured forward costs on this machine: verify and draft time as a function of batch and width.
+"""Measured step costs on this machine: verify and draft forward time as a function of batch and width,
+plus the rest of a scheduler step (sampling, acceptance, bookkeeping), with and without a draft call.
 
 Filled by a short calibration at session start (``auto`` speculation) and refined online from
 every forward the scheduler runs (exponential moving average). Lookups between measured points
@@ -17,6 +18,24 @@ class CostModel:
 
     def __init__(self) -> None:
         self.table: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}
+        self.overheads: dict[bool, float] = {}  # drafting step? -> seconds of a step outside the forwards
+
+    def record_overhead(self, drafting: bool, seconds: float) -> None:
+        old = self.overheads.get(drafting)
+        self.overheads[drafting] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+
+    def overhead(self, drafting: bool) -> float:
+        """Step time outside the forwards (0 until measured; a drafting step is assumed no cheaper)."""
+        if drafting:
+            return max(self.overheads.get(True, 0.0), self.overheads.get(False, 0.0))
+        return self.overheads.get(False, 0.0)
+
+    def step(self, batch: int, drafting: int, draft_len: int) -> float:
+        """Predicted seconds of one step: verify of ``draft_len + 1`` tokens per row, a draft call for
+        ``drafting`` rows when ``draft_len > 0``, and the step's own overhead."""
+        if draft_len == 0:
+            return self.verify(batch, 1) + self.overhead(False)
+        return self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1) + self.overhead(True)
 
     def record(self, kind: str, batch: int, width: int, seconds: float) -> None:
         table = self.table[kind]
@@ -40,13 +59,17 @@ class CostModel:
         return sorted(candidates)
 
     def _lookup(self, kind: str, batch: int, width: int) -> float:
+        """Interpolated cost, bounded by the monotone envelope: a forward with fewer rows or fewer tokens per
+        row is never predicted slower than a measured larger one (one noisy measurement cannot make plain
+        decoding look expensive and lock the policy into drafting)."""
         table = self.table[kind]
         if not table:
             raise LookupError(f"no {kind} costs measured yet; calibrate first")
-        if (batch, width) in table:
-            return table[(batch, width)]
         batches = sorted({b for b, _ in table})
-        return _interpolate(batches, batch, lambda b: self._at_batch(table, b, width))
+        estimate = (table[(batch, width)] if (batch, width) in table
+                    else _interpolate(batches, batch, lambda b: self._at_batch(table, b, width)))
+        larger = [t for (b, w), t in table.items() if b >= batch and w >= width]
+        return min([estimate, *larger])
 
     @staticmethod
     def _at_batch(table: dict[tuple[int, int], float], batch: int, width: int) -> float:

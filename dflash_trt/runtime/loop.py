@@ -59,6 +59,10 @@ class RequestState:
     def uses_drafter(self) -> bool:
         return self.block_len > 1
 
+    def stop_drafting(self) -> None:
+        """Plain decoding from now on: no draft calls, no context taps to keep (the output is unchanged)."""
+        self.block_len, self.pending = 1, []
+
     def probs(self, logits: Tensor) -> Tensor:
         return sampling_probs(logits, self.params.temperature, self.params.top_p, self.params.top_k)
 

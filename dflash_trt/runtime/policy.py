@@ -5,11 +5,13 @@ requests), ``draft_len_schedule`` (batch size -> draft length, a step function) 
 ``acceptance_rate_threshold`` over a rolling window. ``auto`` maximises expected tokens per second:
 
     E_r(k) = 1 + Σ_{i=1..k} Π_{j<=i} α_{r,j}        (expected committed tokens of request r, dflash.md §6)
-    rate(k) = Σ_r E_r(k) / (cost_draft(B_k, k+1) + cost_verify(B, k+1))
+    rate(k) = Σ_r E_r(k) / (cost_draft(B_k, k+1) + cost_verify(B, k+1) + overhead_drafting)
+    rate(0) = B / (cost_verify(B, 1) + overhead_plain)
 
 with α the request's rolling conditional per-position acceptance (prior: the session's), and costs
-measured on this machine. It drafts only when ``rate(k) > rate(0)``: the cost model never predicts
-a loss for the length it picks, so speculation cannot be chosen where it would be slower.
+measured on this machine, the scheduler's own per-step overhead included. It drafts only when
+``rate(k) > (1 + MARGIN) · rate(0)``: the cost model never predicts a loss for the length it picks,
+and a predicted gain within measurement noise is not taken either.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from dflash_trt.runtime.costs import CostModel
+
+MARGIN = 0.05
+"""Predicted gain below this fraction of plain decoding's rate is noise: draft nothing."""
 
 
 class SpeculationConfig(BaseModel):
@@ -39,31 +44,49 @@ class SpeculationConfig(BaseModel):
 
 
 class AcceptanceTracker:
-    """Rolling per-position acceptance of one request (or the whole session, as a prior)."""
+    """Rolling per-position acceptance of one request (or the whole session, as a prior).
+
+    Counts are kept incrementally (a cycle entering the window adds, the one leaving subtracts), so a
+    query costs O(positions) on the scheduler's hot path, not O(window x positions).
+    """
 
     def __init__(self, window: int, positions: int) -> None:
-        self.cycles: deque[tuple[int, int]] = deque(maxlen=window)  # (drafted, accepted)
-        self.positions = positions
+        self.cycles: deque[tuple[int, int]] = deque()
+        self.window, self.positions = window, positions
+        self.reached = [0] * positions  # cycles that drafted position j with every earlier one accepted
+        self.passed = [0] * positions  # ... and accepted it
+        self.drafted = self.accepted = 0
+        self._cached: dict[float, list[float]] = {}  # weight -> alphas with the default prior
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.cycles.append((drafted, accepted))
+        if not drafted:
+            return
+        self._count(drafted, accepted, +1)
+        self.cycles.append((drafted, accepted))
+        if len(self.cycles) > self.window:
+            self._count(*self.cycles.popleft(), -1)
+        self._cached.clear()
+
+    def _count(self, drafted: int, accepted: int, sign: int) -> None:
+        self.drafted += sign * drafted
+        self.accepted += sign * accepted
+        for j in range(min(drafted, accepted + 1, self.positions)):
+            self.reached[j] += sign
+            self.passed[j] += sign * (j < accepted)
 
     @property
     def acceptance_rate(self) -> float | None:
-        drafted = sum(d for d, _ in self.cycles)
-        return sum(a for _, a in self.cycles) / drafted if drafted else None
+        return self.accepted / self.drafted if self.drafted else None
 
     def conditional(self, prior: list[float] | None = None, weight: float = 2.0) -> list[float]:
-        """α_j = P(position j accepted | positions < j accepted), smoothed toward ``prior``."""
-        reached = [0] * self.positions
-        passed = [0] * self.positions
-        for drafted, accepted in self.cycles:
-            for j in range(min(drafted, accepted + 1)):
-                reached[j] += 1
-                passed[j] += j < accepted
-        prior = prior or [0.5] * self.positions
-        return [(passed[j] + weight * prior[j]) / (reached[j] + weight) for j in range(self.positions)]
+        """α_j = P(position j accepted | positions < j accepted), smoothed toward ``prior`` (default 0.5)."""
+        if prior is None and weight in self._cached:
+            return self._cached[weight]
+        smoothing = prior or [0.5] * self.positions
+        alphas = [(self.passed[j] + weight * smoothing[j]) / (self.reached[j] + weight) for j in range(self.positions)]
+        if prior is None:
+            self._cached[weight] = alphas
+        return alphas
 
 
 def expected_tokens(alphas: list[float], draft_len: int) -> float:
@@ -100,14 +123,13 @@ def static_lengths(config: SpeculationConfig, wanted: list[int], rates: list[flo
 def auto_length(costs: CostModel, alphas: list[list[float]], wanted: list[int]) -> tuple[int, dict[int, float]]:
     """The draft length (shared by the batch) with the highest predicted tokens/s, and each candidate's rate.
 
-    Returns 0 unless some k > 0 is predicted strictly faster than plain decoding.
+    Returns 0 unless some k > 0 is predicted faster than plain decoding by more than ``MARGIN``.
     """
     batch = len(wanted)
-    best, rates = 0, {0: batch / costs.verify(batch, 1)}
+    rates = {0: batch / costs.step(batch, 0, 0)}
+    drafting = sum(1 for w in wanted if w >= 1)
     for k in sorted({min(k, max(wanted)) for k in costs.draft_len_candidates(max(wanted))} - {0}):
-        drafting = sum(1 for w in wanted if w >= 1)
         tokens = sum(expected_tokens(a, min(k, w)) for a, w in zip(alphas, wanted))
-        rates[k] = tokens / (costs.draft(drafting, k + 1) + costs.verify(batch, k + 1))
-        if rates[k] > rates[best]:
-            best = k
-    return best, rates
+        rates[k] = tokens / costs.step(batch, drafting, k)
+    best = max(rates, key=rates.get)
+    return (best, rates) if rates[best] > (1 + MARGIN) * rates[0] else (0, rates)

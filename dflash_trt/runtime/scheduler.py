@@ -23,6 +23,13 @@ from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import Cycle, RequestState
 from dflash_trt.runtime.policy import AcceptanceTracker, SpeculationConfig, auto_length, static_lengths
 
+_AUTO_RETIRE_STEPS = 16
+"""A request the auto policy kept at draft length 0 for this many steps stops drafting for good, so its
+verify forwards no longer compute the drafter's context taps (exactly plain decoding from then on)."""
+
+_AUTO_REFRESH_STEPS = 8
+"""While the auto policy says "plain decoding" for an unchanged batch, re-plan every this many steps."""
+
 Sink = Callable[[Cycle | BaseException | None], None]  # a cycle, an error, or None when cancelled
 
 
@@ -30,6 +37,7 @@ class _Active:
     def __init__(self, state: RequestState, sink: Sink, cancelled: threading.Event, window: int) -> None:
         self.state, self.sink, self.cancelled = state, sink, cancelled
         self.tracker = AcceptanceTracker(window, max(state.block_len - 1, 1))
+        self.idle_steps = 0  # consecutive steps the auto policy gave this request draft length 0
 
 
 class Scheduler:
@@ -44,6 +52,9 @@ class Scheduler:
         self._wake = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._auto_key: tuple[int, ...] = ()
+        self._auto_age = 0
+        self._auto_length = 0
 
     def submit(self, make_state: Callable[[int], RequestState], sink: Sink, cancelled: threading.Event) -> None:
         with self._wake:
@@ -106,10 +117,19 @@ class Scheduler:
         """This step's draft length per active request (0 = plain decoding)."""
         wanted = [a.state.block_len - 1 for a in self.active]
         if self.speculation.mode == "auto":
-            prior = self.prior.conditional()
-            alphas = [a.tracker.conditional(prior) for a in self.active]
-            length, _ = auto_length(self.costs, alphas, wanted)
-            return [min(length, w) for w in wanted]
+            # the choice only changes with the batch or new acceptance data; reuse it for a few steps
+            key = tuple(id(a) for a in self.active)
+            if key != self._auto_key or self._auto_age >= _AUTO_REFRESH_STEPS or self._auto_length:
+                prior = self.prior.conditional()
+                alphas = [a.tracker.conditional(prior) for a in self.active]
+                self._auto_length, _ = auto_length(self.costs, alphas, wanted)
+                self._auto_key, self._auto_age = key, 0
+            self._auto_age += 1
+            for entry in self.active:
+                entry.idle_steps = entry.idle_steps + 1 if self._auto_length == 0 else 0
+                if entry.idle_steps >= _AUTO_RETIRE_STEPS and entry.state.uses_drafter:
+                    entry.state.stop_drafting()
+            return [min(self._auto_length, a.state.block_len - 1) for a in self.active]
         return static_lengths(self.speculation, wanted, [a.tracker.acceptance_rate for a in self.active])
 
     def _step(self) -> None:
@@ -119,12 +139,15 @@ class Scheduler:
         if not self.active:
             return
         batch = list(self.active)
+        step_began = time.perf_counter()
+        forwards = 0.0
         try:
             rows = [(entry, entry.state.draft_row(length)) for entry, length in zip(batch, self.draft_lengths())]
             drafting = [(entry, row) for entry, row in rows if row is not None]
             if drafting:
                 began = time.perf_counter()
                 outputs = self.backend.draft_batch([row for _, row in drafting])
+                forwards += time.perf_counter() - began
                 self.costs.record("draft", len(drafting), max(len(r.block) for _, r in drafting),
                                   time.perf_counter() - began)
                 for (entry, _), draft_logits in zip(drafting, outputs):
@@ -132,6 +155,7 @@ class Scheduler:
             verify = [entry.state.verify_row() for entry in batch]
             began = time.perf_counter()
             results = self.backend.target_batch(verify, any(e.state.uses_drafter for e in batch))
+            forwards += time.perf_counter() - began
             self.costs.record("verify", len(batch), max(len(r.tokens) for r in verify), time.perf_counter() - began)
             cycles = [entry.state.finish_verify(logits, taps) for entry, (logits, taps) in zip(batch, results)]
         except BaseException as error:  # noqa: BLE001 - fail this step's requests, keep serving
@@ -147,6 +171,7 @@ class Scheduler:
             entry.sink(cycle)
             if entry.state.finished:
                 self._release(entry)
+        self.costs.record_overhead(bool(drafting), time.perf_counter() - step_began - forwards)
 
     def _release(self, entry: _Active) -> None:
         if entry in self.active:
