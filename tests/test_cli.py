@@ -1,0 +1,75 @@
+"""The ``dflash-trt`` command line (dflash_trt/cli.py): help texts, the run/inspect contracts, errors."""
+
+from __future__ import annotations
+
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
+from dflash_trt.cli import main
+
+
+def all_commands(group: click.Group, prefix: tuple[str, ...] = ()):
+    for name, command in group.commands.items():
+        yield prefix + (name,), command
+        if isinstance(command, click.Group):
+            yield from all_commands(command, prefix + (name,))
+
+
+@pytest.mark.parametrize("path", [path for path, _ in all_commands(main)], ids=" ".join)
+def test_every_command_help_has_an_examples_block(path):
+    result = CliRunner().invoke(main, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Examples:" in result.output
+    assert "dflash-trt " + " ".join(path) in result.output  # the examples are real invocations
+
+
+def run_json(*args: str) -> dict:
+    result = CliRunner().invoke(main, ["run", "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_run_json_speculative_equals_no_draft_token_for_token():
+    spec = run_json("--prompt", "Once upon a time", "--max-new-tokens", "200")
+    plain = run_json("--prompt", "Once upon a time", "--max-new-tokens", "200", "--no-draft")
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["text"] == plain["text"]
+    stats = spec["stats"]
+    assert 1 + sum(stats["acceptance_lengths"]) == len(spec["token_ids"])
+    assert stats["mean_acceptance_length"] > 1
+    for key in ("draft_acceptance_rate", "per_position_acceptance", "acceptance_histogram", "ttft_s", "tpot_s",
+                "tokens_per_s", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert key in stats
+    assert set(plain["stats"]["acceptance_lengths"]) == {1}
+
+
+def test_run_prompt_ids_reproduces_the_published_llama2c_sample():
+    out = run_json("--prompt-ids", "1", "--max-new-tokens", "40", "--stop-token-ids", "")
+    assert out["token_ids"][:8] == [403, 407, 261, 378, 432, 383, 286, 261]
+    assert out["text"].startswith("Once upon a time, there was a little girl named Lily.")
+
+
+def test_inspect_reports_a_compatible_pair():
+    result = CliRunner().invoke(main, ["inspect", str(embedded_target_path()), "--draft", str(embedded_draft_path()),
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["compatible"] is True
+    assert info["target"]["kind"] == "target" and info["draft"]["kind"] == "drafter"
+
+
+def test_bad_input_is_one_line_with_the_fix_and_exit_code_2(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from dflash_trt import cli
+
+    monkeypatch.setattr(sys, "argv", ["dflash-trt", "run", "--prompt-ids", "1,x"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.entry()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--prompt-ids" in err and "Fix:" in err
