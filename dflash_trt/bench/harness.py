@@ -58,6 +58,7 @@ class CellResult:
     timings: dict[str, list[Timing]] = field(default_factory=dict)
     walls: dict[str, float] = field(default_factory=dict)
     prompts: list[Prompt] = field(default_factory=list)
+    skipped: int = 0  # prompts of the set that do not fit the context with max_new_tokens: passed over, never cut
 
     def key(self) -> str:
         return f"{self.dataset}|T={self.temperature:g}|B={self.block_len}|c={self.concurrency}"
@@ -117,19 +118,19 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
             if adaptive is not None:
                 adaptive.generate(prompt.text, warm.model_copy(update={"block_len": block_len}))
     for done, (prompt_set, temperature, block_len, concurrency) in enumerate(cells):
-        prompts = list(prompt_set.prompts[:config.num_prompts])
-        requests = [(session.encode(p.text), SamplingParams(max_new_tokens=config.max_new_tokens,
-                                                            temperature=temperature, seed=config.seed + i))
-                    for i, p in enumerate(prompts)]
-        requests = [(ids, params) for ids, params in requests
-                    if len(ids) + config.max_new_tokens <= session.max_seq_len]
+        fitting = [(p, session.encode(p.text)) for p in prompt_set.prompts]
+        fitting = [(p, ids) for p, ids in fitting if len(ids) + config.max_new_tokens <= session.max_seq_len]
+        skipped = len(prompt_set.prompts) - len(fitting)
+        prompts = [p for p, _ in fitting[:config.num_prompts]]
+        requests = [(ids, SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature,
+                                         seed=config.seed + i)) for i, (_, ids) in enumerate(fitting[:config.num_prompts])]
         runners: dict[str, Runner] = {AR: SessionRunner(session, AR, 1), DFLASH: SessionRunner(session, DFLASH,
                                                                                                    block_len)}
         if adaptive is not None:
             runners[DFLASH_AUTO] = SessionRunner(adaptive, DFLASH_AUTO, block_len)
         if peers and concurrency == 1 and temperature == 0 and block_len == block_lens[0]:
             runners |= {name: make(block_len) for name, make in peers.items()}
-        cell = CellResult(prompt_set.name, temperature, block_len, concurrency, prompts=prompts)
+        cell = CellResult(prompt_set.name, temperature, block_len, concurrency, prompts=prompts, skipped=skipped)
         run_cell(runners, requests, concurrency, cell)
         results.append(cell)
         if progress is not None:
@@ -144,7 +145,7 @@ def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
     ar, dflash = modes[AR], modes[DFLASH]
     summary: dict[str, Any] = {
         "dataset": cell.dataset, "temperature": cell.temperature, "block_len": cell.block_len,
-        "concurrency": cell.concurrency, "modes": modes,
+        "concurrency": cell.concurrency, "modes": modes, "prompts_too_long_in_set": cell.skipped,
         "speedup_throughput": dflash["output_tokens_per_s"] / ar["output_tokens_per_s"],
         "speedup_tpot": (ar["tpot_s"]["p50"] / dflash["tpot_s"]["p50"]) if dflash["tpot_s"]["p50"] else 0.0,
     }

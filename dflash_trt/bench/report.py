@@ -145,8 +145,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     for key, group in report["categories"].items():
         lines.append(f"| {key.replace('|', ' · ')} | {group['requests']} | {group['speedup_e2e']:.2f}x | "
                      f"{group['mean_acceptance_length']:.2f} |")
-    if conds["notes"]:
-        lines += ["", "## Notes", ""] + [f"- {note}" for note in conds["notes"]]
+    notes = list(conds["notes"])
+    for cell in report["cells"]:
+        if cell.get("prompts_too_long_in_set") and cell["concurrency"] == report["cells"][0]["concurrency"]:
+            notes.append(f"{cell['dataset']}: {cell['prompts_too_long_in_set']} prompts of the set do not fit the "
+                         "context with max_new_tokens; the benchmark takes the first ones that fit (none is cut)")
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 
