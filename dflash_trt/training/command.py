@@ -82,18 +82,24 @@ def build_train_config(**fields: object):
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="Peak AdamW learning rate.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per step.")
 @click.option("--max-anchors", type=int, default=32, show_default=True, help="Blocks per sequence and step.")
+@click.option("--labels", type=click.Choice(["data", "target"]), default="data", show_default=True,
+              help="Slot labels: the data tokens, or the target's argmax after the true prefix.")
 @click.option("--num-openings", type=int, default=2000, show_default=True,
               help="Openings sampled from the target and continued greedily (without --prompts).")
 @click.option("--num-sampled", type=int, default=0, show_default=True,
-              help="Extra sequences sampled end to end (T=1, top-p 0.9).")
+              help="Extra sequences sampled end to end (at --temperature/--top-p).")
 @click.option("--max-new-tokens", type=int, default=300, show_default=True, help="Continuation length per prompt.")
+@click.option("--temperature", type=float, default=1.0, show_default=True,
+              help="Sampling temperature of openings and sampled sequences (continuations are greedy).")
+@click.option("--top-p", type=float, default=1.0, show_default=True,
+              help="Nucleus mass of openings and sampled sequences.")
 @click.option("--checkpoint-every", type=int, default=200, show_default=True, help="Steps between checkpoints.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads.")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/state.pt (same flags as before).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a summary.")
 def train_command(target, out, prompts, block_len, layers, target_layer_ids, mask_token_id, steps, epochs, seed,
-                  lr, batch_size, max_anchors, num_openings, num_sampled, max_new_tokens, checkpoint_every,
-                  threads, resume, as_json) -> None:
+                  lr, batch_size, max_anchors, labels, num_openings, num_sampled, max_new_tokens, temperature, top_p,
+                  checkpoint_every, threads, resume, as_json) -> None:
     """Distil a DFlash drafter from a target by self-distillation (the target writes its own training data)."""
     import json
 
@@ -104,9 +110,9 @@ def train_command(target, out, prompts, block_len, layers, target_layer_ids, mas
     config = build_train_config(
         target=target, out=out, block_len=block_len, layers=layers, target_layer_ids=parse_layer_ids(target_layer_ids),
         mask_token_id=mask_token_id, steps=steps, epochs=epochs, seed=seed, lr=lr, batch_size=batch_size,
-        max_anchors=max_anchors, checkpoint_every=checkpoint_every, threads=threads,
+        max_anchors=max_anchors, labels=labels, checkpoint_every=checkpoint_every, threads=threads,
         data={"prompts": prompts, "num_openings": num_openings, "num_sampled": num_sampled,
-              "max_new_tokens": max_new_tokens})
+              "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p})
     command = shlex.join(["dflash-trt", "train", *sys.argv[2:]]) if len(sys.argv) > 1 else "dflash-trt train"
     recent: list[float] = []
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -173,7 +179,8 @@ def eval_command(target, draft, prompts, limit, block_len, max_new_tokens, threa
     if as_json:
         click.echo(json.dumps({"prompts": str(prompts), **report.to_dict()}, indent=2))
         return
-    click.echo(f"τ = {report.tau:.3f} over {report.num_prompts} prompts (greedy, B={report.block_len}, "
+    skipped = f", {report.num_skipped} too long skipped" if report.num_skipped else ""
+    click.echo(f"τ = {report.tau:.3f} over {report.num_prompts} prompts{skipped} (greedy, B={report.block_len}, "
                f"{report.max_new_tokens} new tokens)")
     click.echo("per-position acceptance: " + " ".join(f"{rate:.2f}" for rate in report.per_position))
     click.echo("acceptance histogram:    " + " ".join(str(count) for count in report.histogram))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
                       model_validator)
@@ -32,7 +33,8 @@ class DataConfig(BaseModel):
                                         "(cut at the first stop token).")
     temperature: PositiveFloat = Field(default=1.0, description="Sampling temperature of openings and sampled "
                                        "sequences; continuations of openings are greedy.")
-    top_p: float = Field(default=0.9, gt=0.0, le=1.0, description="Nucleus mass of openings and sampled sequences.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass of openings and sampled sequences "
+                         "(1 = the target's full distribution: openings as varied as real story beginnings).")
 
     @model_validator(mode="after")
     def _check_openings(self) -> DataConfig:
@@ -68,6 +70,8 @@ class TrainConfig(BaseModel):
     grad_clip: PositiveFloat = Field(default=1.0, description="Max global gradient norm.")
     gamma: PositiveFloat | None = Field(default=None, description="Slot-weight decay γ; None = 7 for B=16, 4 for "
                                         "B=8, 1 + 3B/8 otherwise.")
+    labels: Literal["data", "target"] = Field(default="data", description="Slot labels: `data` = the sequence's "
+                                              "tokens; `target` = the target's argmax after the true prefix.")
     data: DataConfig = Field(default_factory=DataConfig, description="Self-distillation data settings.")
     checkpoint_every: PositiveInt = Field(default=200, description="Steps between resumable checkpoints.")
     eval_prompts: Path | None = Field(default=None, description="Prompts for the final τ; None = the held-out "

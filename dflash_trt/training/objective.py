@@ -65,8 +65,8 @@ def block_visibility(anchors: Tensor, context_len: int, block_len: int, causal: 
 
     Query slot ``t`` of block ``j`` (position ``a_j + t``) sees context keys at positions ``< a_j``
     (strict) and the keys of its own block: all of them, or slots ``<= t`` when ``causal``; with a
-    ``window``, only keys with ``query - key < window`` (and ``key - query < window`` when not causal). Blocks never see each other, so only the
-    non-zero tiles of the dense mask are materialised.
+    ``window``, only keys with ``query - key < window`` (and ``key - query < window`` when not causal).
+    Blocks never see each other, so only the non-zero tiles of the dense mask are materialised.
 
     Shapes: anchors ``[..., J]`` -> bool ``[..., J, B, context_len + B]`` (context keys first). True = attend.
     """

@@ -59,7 +59,7 @@ def settings_for(config: TrainConfig, steps: int) -> DistillSettings:
     return DistillSettings(steps=steps, seed=config.seed, lr=config.lr, batch_size=config.batch_size,
                            max_anchors=config.max_anchors, warmup_ratio=config.warmup_ratio,
                            min_lr_ratio=config.min_lr_ratio, weight_decay=config.weight_decay,
-                           grad_clip=config.grad_clip, gamma=config.gamma)
+                           grad_clip=config.grad_clip, gamma=config.gamma, labels=config.labels)
 
 
 def _run_identity(config: TrainConfig, target_sha256: str, data_hash: str, steps: int) -> dict:

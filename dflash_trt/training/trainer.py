@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ class DistillSettings:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     gamma: float | None = None  # slot-weight decay; None = decay_gamma(block_len)
+    labels: Literal["data", "target"] = "data"  # see Distiller.batch_loss
 
 
 @dataclass(frozen=True)
@@ -61,18 +62,33 @@ def learning_rate(step: int, settings: DistillSettings) -> float:
     return settings.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+#: Smallest reachable attention logit margin a fresh drafter starts with (see :func:`new_draft_head`).
+MIN_INITIAL_LOGIT_RANGE = 8.0
+
+
 def new_draft_head(config: DraftConfig, seed: int, target: TargetModel | None = None) -> DraftHead:
     """A freshly initialised drafter; the seed is applied to a forked RNG, leaving the global one untouched.
 
-    With ``target``, the final ``norm`` starts as a copy of the target's final norm: the draft hidden
-    state feeds the target's LM head, whose logit scale was trained for that norm (stories260K's
-    averages 1.8, and a unit norm starts the CE near 40 nats and stalls training).
+    Two initial values differ from a plain ``DraftHead``, both because the drafter is small and borrows
+    the target's LM head:
+
+    * ``q_norm``/``k_norm`` start at ``s = sqrt(8 / sqrt(d))`` when that exceeds 1. QK-norm makes every
+      attention logit at most ``s² · sqrt(d)``; with unit weights and ``d = 8`` (stories260K) that is
+      2.8, too flat to single out one context row among hundreds, and AdamW needs hundreds of steps to
+      grow the weights (a long loss plateau). For ``d >= 64`` (every production drafter) ``s = 1``.
+    * with ``target``, the final ``norm`` starts as a copy of the target's final norm: the draft hidden
+      state feeds the target's LM head, whose logit scale was trained for that norm (stories260K's
+      averages 1.8; a unit norm starts the CE near 40 nats).
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = DraftHead(config)
-    if target is not None:
-        with torch.no_grad():
+    qk_scale = max(1.0, math.sqrt(MIN_INITIAL_LOGIT_RANGE / math.sqrt(config.head_dim)))
+    with torch.no_grad():
+        for layer in head.layers:
+            layer.self_attn.q_norm.weight.fill_(qk_scale)
+            layer.self_attn.k_norm.weight.fill_(qk_scale)
+        if target is not None:
             head.norm.weight.copy_(target.norm.weight)
     return head
 
@@ -129,7 +145,12 @@ class Distiller:
         return StepMetrics(self.step, float(loss.detach()), tau, lr)
 
     def batch_loss(self, indices: list[int]) -> tuple[Tensor, float]:
-        """Weighted block CE of one batch and its greedy τ estimate (1 + mean accepted prefix)."""
+        """Weighted block CE of one batch and its greedy τ estimate (1 + mean accepted prefix).
+
+        Labels (dflash.md §4 "labels"): ``data`` uses the sequence's own tokens (SpecForge); ``target``
+        uses the target's argmax after the true prefix, ``argmax p(· | ids[:a+k])`` for slot k (speculators'
+        "verifier argmax"): exactly what greedy serving commits at slot 1, even on sampled text.
+        """
         cfg = self.head.config
         block_len, mask_id = cfg.block_size, cfg.mask_token_id
         seqs = [self.sequences[i] for i in indices]
@@ -146,9 +167,13 @@ class Distiller:
             anchors[row, :found.shape[0]] = found
             valid_blocks[row, :found.shape[0]] = True
         with torch.no_grad():
-            _, taps = self.target(tokens, 0, self.target.new_cache(len(seqs), length), cfg.target_layer_ids)
+            target_logits, taps = self.target(tokens, 0, self.target.new_cache(len(seqs), length),
+                                              cfg.target_layer_ids)
+        stream = tokens
+        if self.settings.labels == "target":  # position p's label: the target's argmax after ids[:p]
+            stream = torch.cat([tokens[:, :1], target_logits[:, :-1].argmax(-1)], dim=1)
         blocks = torch.stack([block_token_ids(tokens[r], anchors[r], block_len, mask_id) for r in range(len(seqs))])
-        labels = torch.stack([block_labels(tokens[r], anchors[r], block_len) for r in range(len(seqs))])
+        labels = torch.stack([block_labels(stream[r], anchors[r], block_len) for r in range(len(seqs))])
         embed = self.target.embed_tokens.weight
         block_embeds = F.embedding(blocks, embed) * cfg.input_embedding_scale  # [b, J, B, H]
         hidden = draft_forward_blocks(self.head, block_embeds, taps, anchors)
@@ -183,12 +208,13 @@ class Distiller:
 def distill_drafter(target: TargetModel, draft_config: DraftConfig, sequences: list[list[int]], *, steps: int,
                     seed: int = 0, lr: float = 3e-3, batch_size: int = 8, max_anchors: int = 64,
                     warmup_ratio: float = 0.04, weight_decay: float = 0.0, grad_clip: float = 1.0,
-                    gamma: float | None = None,
+                    gamma: float | None = None, labels: Literal["data", "target"] = "data",
                     on_step: Callable[[StepMetrics], None] | None = None) -> DraftHead:
     """Train a fresh drafter for ``steps`` steps on ``sequences`` (prompt + target continuation) and return it
     in eval mode. The target stays frozen; its taps and embedding/LM head are used, never updated."""
     settings = DistillSettings(steps=steps, seed=seed, lr=lr, batch_size=batch_size, max_anchors=max_anchors,
-                               warmup_ratio=warmup_ratio, weight_decay=weight_decay, grad_clip=grad_clip, gamma=gamma)
+                               warmup_ratio=warmup_ratio, weight_decay=weight_decay, grad_clip=grad_clip, gamma=gamma,
+                               labels=labels)
     distiller = Distiller(target, new_draft_head(draft_config, seed, target), sequences, settings)
     distiller.run(steps, on_step)
     return distiller.head.eval()
