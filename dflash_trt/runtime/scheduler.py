@@ -27,6 +27,10 @@ _AUTO_RETIRE_STEPS = 16
 """A request the auto policy kept at draft length 0 for this many steps stops drafting for good, so its
 verify forwards no longer compute the drafter's context taps (exactly plain decoding from then on)."""
 
+_AUTO_EXPLORE_CYCLES = 1
+"""Each request drafts its full block for its first cycle, so the policy decides on its own acceptance
+(a tinystories continuation and a GSM8K answer differ by 2x in τ) rather than on a prior alone."""
+
 _AUTO_REFRESH_STEPS = 8
 """While the auto policy says "plain decoding" for an unchanged batch, re-plan every this many steps."""
 
@@ -119,17 +123,23 @@ class Scheduler:
         if self.speculation.mode == "auto":
             # the choice only changes with the batch or new acceptance data; reuse it for a few steps
             key = tuple(id(a) for a in self.active)
-            if key != self._auto_key or self._auto_age >= _AUTO_REFRESH_STEPS or self._auto_length:
+            exploring = any(len(a.tracker.cycles) < _AUTO_EXPLORE_CYCLES for a in self.active)
+            if key != self._auto_key or self._auto_age >= _AUTO_REFRESH_STEPS or self._auto_length or exploring:
                 prior = self.prior.conditional()
                 alphas = [a.tracker.conditional(prior) for a in self.active]
                 self._auto_length, _ = auto_length(self.costs, alphas, wanted)
                 self._auto_key, self._auto_age = key, 0
             self._auto_age += 1
+            lengths = []
             for entry in self.active:
-                entry.idle_steps = entry.idle_steps + 1 if self._auto_length == 0 else 0
+                length = min(self._auto_length, entry.state.block_len - 1)
+                if entry.state.uses_drafter and len(entry.tracker.cycles) < _AUTO_EXPLORE_CYCLES:
+                    length = entry.state.block_len - 1  # explore: acceptance is prompt-dependent, measure it
+                entry.idle_steps = entry.idle_steps + 1 if length == 0 else 0
                 if entry.idle_steps >= _AUTO_RETIRE_STEPS and entry.state.uses_drafter:
                     entry.state.stop_drafting()
-            return [min(self._auto_length, a.state.block_len - 1) for a in self.active]
+                lengths.append(length)
+            return lengths
         return static_lengths(self.speculation, wanted, [a.tracker.acceptance_rate for a in self.active])
 
     def _step(self) -> None:
