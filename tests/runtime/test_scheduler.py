@@ -112,3 +112,19 @@ def test_speculation_policies_are_lossless(zoo, mode):
     for r in results:
         used |= {int(k) for k in r.stats.to_dict()["draft_lens_used"]}
     assert used <= {0, 1, 2, 3}
+
+
+def test_auto_policy_explores_each_request_then_follows_its_acceptance(zoo):
+    """Every request drafts its full block once (exploration); afterwards a drafter that is always rejected
+    is dropped to plain decoding, and the output never changes."""
+    random_draft = DraftSpec(seed=5, block_size=4)
+    session = Session.from_checkpoints(zoo.target(TARGET), zoo.drafter(TARGET, random_draft), max_batch=4,
+                                       speculation=SpeculationConfig(mode="auto"))
+    params = SamplingParams(max_new_tokens=60, stop_token_ids=())
+    results = [h.result() for h in [session.submit([3, i, 7], params) for i in range(4)]]
+    plain = [session.generate([3, i, 7], params.model_copy(update={"block_len": 1})) for i in range(4)]
+    assert [r.token_ids for r in results] == [p.token_ids for p in plain]
+    for result in results:
+        used = result.stats.draft_lens_used
+        assert used.get(3, 0) >= 1  # the exploration cycle
+        assert used.get(0, 0) > sum(n for k, n in used.items() if k)  # then mostly plain decoding
