@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from importlib import resources
 from pathlib import Path
 
 from dflash_trt.errors import TrainingError
@@ -70,8 +71,6 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
 
 
 def heldout_prompts_path() -> Path:
-    """The 21 held-out TinyStories stories (their first sentences are the prompts; never used for training).
-
-    They live in the shared assets beside the repository (``../shared/assets``, assets.md §5), not in the package.
-    """
-    return Path(__file__).resolve().parents[3] / "shared" / "assets" / "tinystories" / "TinyStories-valid-head21.txt"
+    """The 21 held-out TinyStories prompts: the first sentence of each story of TinyStories-valid-head21.txt
+    (assets.md §5), shipped with the benchmark's prompt sets. Never used for training."""
+    return Path(str(resources.files("dflash_trt") / "bench" / "prompts" / "tinystories.jsonl"))
