@@ -21,7 +21,8 @@ Examples:
   dflash-trt train --out drafters/stories-b16
   dflash-trt train --out drafters/stories-b8 --block-len 8 --layers 2 --steps 3000
   dflash-trt train --out drafters/stories-b16 --steps 3000 --resume
-  dflash-trt train --target ./tiny-qwen3 --mask-token-id 0 --prompts prompts.jsonl --epochs 2 --out drafters/tiny
+  dflash-trt train --target ./tiny-qwen3 --mask-token-id 0 --prompts prompts.jsonl --num-openings 0 --epochs 2 \
+    --out drafters/tiny
   dflash-trt train --out drafters/taps --layers 2 --target-layer-ids 1,3 --seed 7
 """
 
@@ -71,9 +72,10 @@ def build_train_config(**fields: object):
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Output folder: config.json, model.safetensors, training.json, checkpoints/.")
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Prompts (.txt/.jsonl) for the target to continue. Default: openings sampled from the target.")
+              help="Prompts (.txt/.jsonl) for the target to continue greedily, besides the sampled openings.")
 @click.option("--block-len", type=int, default=16, show_default=True, help="Block length B (anchor + B-1 masks).")
 @click.option("--layers", type=int, default=1, show_default=True, help="Draft decoder layers.")
+@click.option("--intermediate-size", type=int, help="Draft SwiGLU width. Default: the target's.")
 @click.option("--target-layer-ids", help="Comma-separated tapped target layers. Default: build_target_layer_ids.")
 @click.option("--mask-token-id", type=int, help="Mask token id. Default: 0 (<unk>) for llama2.c targets.")
 @click.option("--steps", type=int, help="Optimiser steps (default 1000 when --epochs is not given).")
@@ -85,7 +87,7 @@ def build_train_config(**fields: object):
 @click.option("--labels", type=click.Choice(["data", "target"]), default="data", show_default=True,
               help="Slot labels: the data tokens, or the target's argmax after the true prefix.")
 @click.option("--num-openings", type=int, default=2000, show_default=True,
-              help="Openings sampled from the target and continued greedily (without --prompts).")
+              help="Openings sampled from the target and continued greedily.")
 @click.option("--num-sampled", type=int, default=0, show_default=True,
               help="Extra sequences sampled end to end (at --temperature/--top-p).")
 @click.option("--max-new-tokens", type=int, default=300, show_default=True, help="Continuation length per prompt.")
@@ -97,7 +99,7 @@ def build_train_config(**fields: object):
 @click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads.")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/state.pt (same flags as before).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a summary.")
-def train_command(target, out, prompts, block_len, layers, target_layer_ids, mask_token_id, steps, epochs, seed,
+def train_command(target, out, prompts, block_len, layers, intermediate_size, target_layer_ids, mask_token_id, steps, epochs, seed,
                   lr, batch_size, max_anchors, labels, num_openings, num_sampled, max_new_tokens, temperature, top_p,
                   checkpoint_every, threads, resume, as_json) -> None:
     """Distil a DFlash drafter from a target by self-distillation (the target writes its own training data)."""
@@ -108,7 +110,8 @@ def train_command(target, out, prompts, block_len, layers, target_layer_ids, mas
     from dflash_trt.training.run import train
 
     config = build_train_config(
-        target=target, out=out, block_len=block_len, layers=layers, target_layer_ids=parse_layer_ids(target_layer_ids),
+        target=target, out=out, block_len=block_len, layers=layers, intermediate_size=intermediate_size,
+        target_layer_ids=parse_layer_ids(target_layer_ids),
         mask_token_id=mask_token_id, steps=steps, epochs=epochs, seed=seed, lr=lr, batch_size=batch_size,
         max_anchors=max_anchors, labels=labels, checkpoint_every=checkpoint_every, threads=threads,
         data={"prompts": prompts, "num_openings": num_openings, "num_sampled": num_sampled,

@@ -22,9 +22,9 @@ class DataConfig(BaseModel):
 
     model_config = _FROZEN
     prompts: Path | None = Field(default=None, description="Prompt file (.txt/.jsonl) whose prompts the target "
-                                 "continues; None = openings sampled from the target itself after BOS.")
-    num_openings: NonNegativeInt = Field(default=2000, description="Openings sampled from BOS (when `prompts` is "
-                                         "None) and then continued greedily.")
+                                 "continues greedily, in addition to the sampled openings.")
+    num_openings: NonNegativeInt = Field(default=2000, description="Openings sampled from the target after BOS, "
+                                         "then continued greedily.")
     opening_min_tokens: PositiveInt = Field(default=1, description="Shortest sampled opening, in tokens after BOS.")
     opening_max_tokens: PositiveInt = Field(default=40, description="Longest sampled opening, in tokens after BOS.")
     num_sampled: NonNegativeInt = Field(default=0, description="Extra sequences sampled end to end from BOS at "
@@ -53,6 +53,8 @@ class TrainConfig(BaseModel):
     out: Path = Field(description="Output folder: config.json, model.safetensors, training.json, checkpoints/.")
     block_len: int = Field(default=16, ge=2, le=64, description="Block length B (anchor + B-1 mask slots).")
     layers: PositiveInt = Field(default=1, description="Draft decoder layers n.")
+    intermediate_size: PositiveInt | None = Field(default=None, description="Draft SwiGLU width; None = the "
+                                                  "target's.")
     target_layer_ids: tuple[NonNegativeInt, ...] | None = Field(
         default=None, description="Tapped target layers; None = build_target_layer_ids(N, layers).")
     mask_token_id: NonNegativeInt | None = Field(

@@ -19,7 +19,7 @@ from dflash_trt.training.config import DataConfig
 from dflash_trt.training.data import sample_openings, self_distill_sequences
 from dflash_trt.training.prompts import read_prompts
 
-CORPUS_FORMAT = 1  # bump when the generation procedure changes, so stale caches are not reused
+CORPUS_FORMAT = 2  # bump when the generation procedure changes, so stale caches are not reused
 
 
 def file_sha256(path: Path) -> str:
@@ -57,20 +57,22 @@ def corpus_key(target_sha256: str, data: DataConfig, seed: int) -> str:
 
 def generate_corpus(target: TargetModel, tokenizer: Tokenizer | None, data: DataConfig,
                     seed: int) -> list[list[int]]:
-    """Prompts (or sampled openings) continued greedily, plus ``num_sampled`` sequences sampled end to end."""
+    """Prompts and sampled openings continued greedily, plus ``num_sampled`` sequences sampled end to end."""
     bos = target.config.bos_token_id
+    openings: list[list[int]] = []
     if data.prompts is not None:
         if tokenizer is None:
             raise TrainingError(f"data.prompts: {data.prompts} is text but the target has no tokenizer; expected a "
-                              "target with tokenizer.json (or tok512.bin). Fix: omit --prompts to sample openings "
-                              "from the target, or add the tokenizer beside the checkpoint.")
-        openings = [tokenizer.encode(text) for text in read_prompts(data.prompts)]
-    elif bos is None and (data.num_openings or data.num_sampled):
-        raise TrainingError("data: the target has no `bos_token_id`, so openings cannot be sampled from it; expected "
-                          "a BOS id in its config. Fix: pass --prompts FILE with prompts for the target to continue.")
-    else:
-        openings = sample_openings(target, data.num_openings, data.opening_min_tokens, data.opening_max_tokens,
-                                   data.temperature, data.top_p, seed)
+                                "target with tokenizer.json (or tok512.bin). Fix: omit --prompts to sample openings "
+                                "from the target, or add the tokenizer beside the checkpoint.")
+        openings += [tokenizer.encode(text) for text in read_prompts(data.prompts)]
+    if bos is None and (data.num_openings or data.num_sampled):
+        raise TrainingError("data: the target has no `bos_token_id`, so openings cannot be sampled from it; "
+                            "expected a BOS id in its config. Fix: pass --prompts FILE with prompts for the target to "
+                            "continue, and --num-openings 0 --num-sampled 0.")
+    if data.num_openings:
+        openings += sample_openings(target, data.num_openings, data.opening_min_tokens, data.opening_max_tokens,
+                                    data.temperature, data.top_p, seed)
     sequences = self_distill_sequences(target, openings, max_new_tokens=data.max_new_tokens, temperature=0.0,
                                        seed=seed)
     if data.num_sampled:

@@ -13,10 +13,13 @@ from dflash_trt.model.draft_head import build_target_layer_ids
 
 
 def draft_config_for(target: TargetConfig, *, num_layers: int = 1, block_len: int = 16, mask_token_id: int,
-                     target_layer_ids: tuple[int, ...] | None = None) -> DraftConfig:
+                     target_layer_ids: tuple[int, ...] | None = None,
+                     intermediate_size: int | None = None) -> DraftConfig:
     """A full-attention DFlash drafter for ``target`` with ``num_layers`` layers and ``block_len`` slots.
 
     ``target_layer_ids`` defaults to ``build_target_layer_ids(N, num_layers)`` (dflash.md §2.3).
+    ``intermediate_size`` defaults to the target's; a wider MLP is a cheap way to add capacity to a
+    drafter of a very small target (the z-lab format stores it, so every loader accepts it).
     """
     source = "draft config"
     if num_layers < 1:
@@ -33,6 +36,9 @@ def draft_config_for(target: TargetConfig, *, num_layers: int = 1, block_len: in
         raise field_error(IncompatiblePairError, source, "mask_token_id", mask_token_id,
                           f"a row of the target embedding, 0 <= id < {target.vocab_size}",
                           "pick an unused (padded or special) token id of the target")
+    if intermediate_size is not None and intermediate_size < 1:
+        raise field_error(IncompatiblePairError, source, "intermediate_size", intermediate_size, "an integer >= 1",
+                          "pass --intermediate-size 512, or omit it to copy the target's")
     ids = tuple(target_layer_ids) if target_layer_ids else build_target_layer_ids(target.num_layers, num_layers)
     bad = [i for i in ids if not 0 <= i < target.num_layers]
     if bad:
@@ -42,7 +48,7 @@ def draft_config_for(target: TargetConfig, *, num_layers: int = 1, block_len: in
                           f"{list(build_target_layer_ids(target.num_layers, num_layers))}")
     return DraftConfig(
         hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size,
+        intermediate_size=intermediate_size or target.intermediate_size,
         num_layers=num_layers,
         num_heads=target.num_heads,
         num_kv_heads=target.num_kv_heads,

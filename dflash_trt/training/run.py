@@ -104,7 +104,8 @@ def train(config: TrainConfig, *, resume: bool = False, command: str = "",
     target_sha256 = checkpoint_sha256(target_path)
     mask_token_id = resolve_mask_token_id(config, target, isinstance(tokenizer, Llama2cTokenizer))
     draft_config = draft_config_for(target.config, num_layers=config.layers, block_len=config.block_len,
-                                    mask_token_id=mask_token_id, target_layer_ids=config.target_layer_ids)
+                                    mask_token_id=mask_token_id, target_layer_ids=config.target_layer_ids,
+                                    intermediate_size=config.intermediate_size)
     sequences, data_hash, corpus_file = load_or_generate_corpus(
         target, tokenizer, config.data, config.seed, target_sha256, config.cache_dir or default_cache_dir())
     steps = config.total_steps(len(sequences))
