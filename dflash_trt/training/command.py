@@ -21,8 +21,7 @@ Examples:
   dflash-trt train --out drafters/stories-b16
   dflash-trt train --out drafters/stories-b8 --block-len 8 --layers 2 --steps 3000
   dflash-trt train --out drafters/stories-b16 --steps 3000 --resume
-  dflash-trt train --target ./tiny-qwen3 --mask-token-id 0 --prompts prompts.jsonl --num-openings 0 --epochs 2 \
-    --out drafters/tiny
+  dflash-trt train --target ./qwen3-tiny --prompts p.jsonl --num-openings 0 --mask-token-id 0 --epochs 2 --out tiny
   dflash-trt train --out drafters/taps --layers 2 --target-layer-ids 1,3 --seed 7
 """
 
@@ -99,9 +98,9 @@ def build_train_config(**fields: object):
 @click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads.")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/state.pt (same flags as before).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a summary.")
-def train_command(target, out, prompts, block_len, layers, intermediate_size, target_layer_ids, mask_token_id, steps, epochs, seed,
-                  lr, batch_size, max_anchors, labels, num_openings, num_sampled, max_new_tokens, temperature, top_p,
-                  checkpoint_every, threads, resume, as_json) -> None:
+def train_command(target, out, prompts, block_len, layers, intermediate_size, target_layer_ids, mask_token_id,
+                  steps, epochs, seed, lr, batch_size, max_anchors, labels, num_openings, num_sampled, max_new_tokens,
+                  temperature, top_p, checkpoint_every, threads, resume, as_json) -> None:
     """Distil a DFlash drafter from a target by self-distillation (the target writes its own training data)."""
     import json
 
