@@ -182,7 +182,8 @@ def eval_command(target, draft, prompts, limit, block_len, max_new_tokens, threa
         click.echo(json.dumps({"prompts": str(prompts), **report.to_dict()}, indent=2))
         return
     skipped = f", {report.num_skipped} too long skipped" if report.num_skipped else ""
-    click.echo(f"τ = {report.tau:.3f} over {report.num_prompts} prompts{skipped} (greedy, B={report.block_len}, "
+    click.echo(f"τ = {report.tau:.3f} over all cycles, {report.mean_prompt_tau:.3f} as the mean of per-prompt τ; "
+               f"{report.num_prompts} prompts{skipped} (greedy, B={report.block_len}, "
                f"{report.max_new_tokens} new tokens)")
     click.echo("per-position acceptance: " + " ".join(f"{rate:.2f}" for rate in report.per_position))
     click.echo("acceptance histogram:    " + " ".join(str(count) for count in report.histogram))

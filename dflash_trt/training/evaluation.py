@@ -23,8 +23,9 @@ from dflash_trt.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class EvalReport:
-    """Acceptance over a prompt set. ``per_position[i]``: cycles accepting >= i+1 drafts / cycles drafting i;
-    ``histogram[j]``: cycles accepting exactly j drafts; ``per_prompt_tau``: τ of each evaluated prompt."""
+    """Acceptance over a prompt set. ``tau`` pools every cycle of every prompt; ``per_position[i]``: cycles
+    accepting >= i+1 drafts / cycles drafting i; ``histogram[j]``: cycles accepting exactly j drafts;
+    ``per_prompt_tau``: τ of each evaluated prompt."""
 
     tau: float
     per_position: list[float]
@@ -36,8 +37,14 @@ class EvalReport:
     block_len: int
     max_new_tokens: int
 
+    @property
+    def mean_prompt_tau(self) -> float:
+        """Mean over prompts of each prompt's τ (every prompt weighs the same; ``tau`` pools the cycles)."""
+        return sum(self.per_prompt_tau) / len(self.per_prompt_tau)
+
     def to_dict(self) -> dict:
-        return {"tau": self.tau, "per_position_acceptance": self.per_position, "acceptance_histogram": self.histogram,
+        return {"tau": self.tau, "mean_prompt_tau": self.mean_prompt_tau, "per_position_acceptance": self.per_position,
+                "acceptance_histogram": self.histogram,
                 "per_prompt_tau": self.per_prompt_tau, "num_prompts": self.num_prompts,
                 "num_skipped_too_long": self.num_skipped, "num_output_tokens": self.num_output_tokens,
                 "block_len": self.block_len, "max_new_tokens": self.max_new_tokens, "decoding": "greedy"}

@@ -52,4 +52,5 @@ def test_eval_of_the_embedded_pair_reports_tau(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["num_prompts"] == 2 and report["block_len"] == 16 and report["tau"] >= 1.0
+    assert report["mean_prompt_tau"] == sum(report["per_prompt_tau"]) / 2
     assert len(report["acceptance_histogram"]) == 16 and sum(report["acceptance_histogram"]) > 0
