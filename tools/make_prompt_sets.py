@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -37,10 +38,26 @@ def tinystories(assets: Path) -> list[dict]:
     return rows
 
 
+def tinystories_prefixes(assets: Path, sentences: int = 4) -> list[dict]:
+    """Held-out story openings of 1..``sentences`` sentences: 4 distinct prompts per TinyStories-valid story,
+    enough requests to fill concurrency 64 without repeating a prompt (still never trained on)."""
+    text = (assets / "tinystories" / "TinyStories-valid-head21.txt").read_text(encoding="utf-8")
+    stories = [" ".join(s.split()) for s in text.split("<|endoftext|>") if s.strip()]
+    rows = []
+    for count in range(1, sentences + 1):
+        for index, story in enumerate(stories):
+            parts = re.split(r"(?<=[.!?])\s+", story)
+            if len(parts) > count:
+                rows.append({"id": f"tinystories_prefixes/{index}.{count}", "category": "creative",
+                             "prompt": " ".join(parts[:count])})
+    return rows
+
+
 def build(assets: Path) -> dict[str, list[dict]]:
     eval_dir = assets / "eval"
     return {
         "tinystories": tinystories(assets),
+        "tinystories_prefixes": tinystories_prefixes(assets),
         "humaneval": [{"id": r["task_id"], "category": "code", "prompt": r["prompt"]}
                       for r in _jsonl(eval_dir / "humaneval" / "HumanEval.jsonl.gz")],
         "mbpp": [{"id": f"mbpp/{r['task_id']}", "category": "code", "prompt": r["text"]}

@@ -2,15 +2,19 @@
 plus the rest of a scheduler step (sampling, acceptance, bookkeeping), with and without a draft call.
 
 Filled by a short calibration at session start (``auto`` speculation) and refined online from
-every forward the scheduler runs (exponential moving average). Lookups between measured points
+every forward the scheduler runs (the median of the last few measurements per point, so one step
+stalled by a GC pause or a busy core does not move the estimate). Lookups between measured points
 interpolate linearly in width and batch; outside them they extrapolate from the nearest edge.
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 
-_EMA = 0.2
+_WINDOW = 9
+"""Measurements per point the estimate is the median of."""
 
 
 class CostModel:
@@ -18,29 +22,40 @@ class CostModel:
 
     def __init__(self) -> None:
         self.table: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}
-        self.overheads: dict[bool, float] = {}  # drafting step? -> seconds of a step outside the forwards
+        # drafting step? -> batch size -> seconds of a step outside the forwards (per-request Python work
+        # grows with the batch, so one number for all sizes would misprice batch 1 and batch 64 alike)
+        self.overheads: dict[bool, dict[int, float]] = {False: {}, True: {}}
+        self._samples: dict[tuple, deque[float]] = {}
 
-    def record_overhead(self, drafting: bool, seconds: float) -> None:
-        old = self.overheads.get(drafting)
-        self.overheads[drafting] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+    def record_overhead(self, drafting: bool, batch: int, seconds: float) -> None:
+        self._update(self.overheads[drafting], ("overhead", drafting, batch), batch, seconds)
 
-    def overhead(self, drafting: bool) -> float:
-        """Step time outside the forwards (0 until measured; a drafting step is assumed no cheaper)."""
-        if drafting:
-            return max(self.overheads.get(True, 0.0), self.overheads.get(False, 0.0))
-        return self.overheads.get(False, 0.0)
+    def _update(self, table: dict, sample_key: tuple, key, seconds: float) -> None:
+        samples = self._samples.setdefault(sample_key, deque(maxlen=_WINDOW))
+        samples.append(seconds)
+        table[key] = statistics.median(samples)
+
+    def overhead(self, drafting: bool, batch: int) -> float:
+        """Step time outside the forwards at this batch size (0 until measured; a drafting step is assumed
+        no cheaper than a plain one)."""
+        plain = self._overhead_at(False, batch)
+        return max(self._overhead_at(True, batch), plain) if drafting else plain
+
+    def _overhead_at(self, drafting: bool, batch: int) -> float:
+        table = self.overheads[drafting]
+        if len(table) <= 1:  # nothing or one size measured: assume it holds at every size
+            return next(iter(table.values()), 0.0)
+        return table[batch] if batch in table else _interpolate(sorted(table), batch, table.__getitem__)
 
     def step(self, batch: int, drafting: int, draft_len: int) -> float:
         """Predicted seconds of one step: verify of ``draft_len + 1`` tokens per row, a draft call for
         ``drafting`` rows when ``draft_len > 0``, and the step's own overhead."""
         if draft_len == 0:
-            return self.verify(batch, 1) + self.overhead(False)
-        return self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1) + self.overhead(True)
+            return self.verify(batch, 1) + self.overhead(False, batch)
+        return self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1) + self.overhead(True, batch)
 
     def record(self, kind: str, batch: int, width: int, seconds: float) -> None:
-        table = self.table[kind]
-        key = (batch, width)
-        table[key] = seconds if key not in table else (1 - _EMA) * table[key] + _EMA * seconds
+        self._update(self.table[kind], (kind, batch, width), (batch, width), seconds)
 
     def verify(self, batch: int, width: int) -> float:
         return self._lookup("verify", batch, width)

@@ -79,14 +79,23 @@ class AcceptanceTracker:
         return self.accepted / self.drafted if self.drafted else None
 
     def conditional(self, prior: list[float] | None = None, weight: float = 2.0) -> list[float]:
-        """α_j = P(position j accepted | positions < j accepted), smoothed toward ``prior`` (default 0.5)."""
+        """α_j = P(position j accepted | positions < j accepted), smoothed toward ``prior`` with ``weight``
+        pseudo-cycles. Without a prior, position j is smoothed toward the estimate of position j-1 (0.5 for
+        the first): acceptance changes smoothly with depth, so positions never drafted yet are not assumed
+        worse than the deepest one measured."""
         if prior is None and weight in self._cached:
             return self._cached[weight]
-        smoothing = prior or [0.5] * self.positions
-        alphas = [(self.passed[j] + weight * smoothing[j]) / (self.reached[j] + weight) for j in range(self.positions)]
+        alphas: list[float] = []
+        for j in range(self.positions):
+            toward = prior[j] if prior is not None else (alphas[-1] if alphas else 0.5)
+            alphas.append((self.passed[j] + weight * toward) / (self.reached[j] + weight))
         if prior is None:
             self._cached[weight] = alphas
         return alphas
+
+    @property
+    def observed_cycles(self) -> int:
+        return len(self.cycles)
 
 
 def expected_tokens(alphas: list[float], draft_len: int) -> float:
@@ -123,13 +132,26 @@ def static_lengths(config: SpeculationConfig, wanted: list[int], rates: list[flo
 def auto_length(costs: CostModel, alphas: list[list[float]], wanted: list[int]) -> tuple[int, dict[int, float]]:
     """The draft length (shared by the batch) with the highest predicted tokens/s, and each candidate's rate.
 
+    ``wanted[i] == 0`` marks a request that does not draft (it still commits one token per step).
     Returns 0 unless some k > 0 is predicted faster than plain decoding by more than ``MARGIN``.
     """
     batch = len(wanted)
     rates = {0: batch / costs.step(batch, 0, 0)}
+    longest = max(wanted, default=0)
     drafting = sum(1 for w in wanted if w >= 1)
-    for k in sorted({min(k, max(wanted)) for k in costs.draft_len_candidates(max(wanted))} - {0}):
-        tokens = sum(expected_tokens(a, min(k, w)) for a, w in zip(alphas, wanted))
+    tables = [_expected_table(a, w) for a, w in zip(alphas, wanted)]  # E(0..w) per request, computed once
+    for k in sorted({min(k, longest) for k in costs.draft_len_candidates(longest)} - {0}):
+        tokens = sum(table[min(k, len(table) - 1)] for table in tables)
         rates[k] = tokens / costs.step(batch, drafting, k)
     best = max(rates, key=rates.get)
     return (best, rates) if rates[best] > (1 + MARGIN) * rates[0] else (0, rates)
+
+
+def _expected_table(alphas: list[float], longest: int) -> list[float]:
+    """``[E(0), E(1), .., E(longest)]`` of ``expected_tokens`` in one pass."""
+    table, total, survive = [1.0], 1.0, 1.0
+    for alpha in alphas[:longest]:
+        survive *= alpha
+        total += survive
+        table.append(total)
+    return table

@@ -21,18 +21,8 @@ from dflash_trt.errors import RequestError
 from dflash_trt.runtime.backend import BatchedBackend
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import Cycle, RequestState
-from dflash_trt.runtime.policy import AcceptanceTracker, SpeculationConfig, auto_length, static_lengths
-
-_AUTO_RETIRE_STEPS = 16
-"""A request the auto policy kept at draft length 0 for this many steps stops drafting for good, so its
-verify forwards no longer compute the drafter's context taps (exactly plain decoding from then on)."""
-
-_AUTO_EXPLORE_CYCLES = 1
-"""Each request drafts its full block for its first cycle, so the policy decides on its own acceptance
-(a tinystories continuation and a GSM8K answer differ by 2x in τ) rather than on a prior alone."""
-
-_AUTO_REFRESH_STEPS = 8
-"""While the auto policy says "plain decoding" for an unchanged batch, re-plan every this many steps."""
+from dflash_trt.runtime.planner import AutoPlanner, RequestMemory
+from dflash_trt.runtime.policy import AcceptanceTracker, SpeculationConfig, static_lengths
 
 Sink = Callable[[Cycle | BaseException | None], None]  # a cycle, an error, or None when cancelled
 
@@ -40,8 +30,7 @@ Sink = Callable[[Cycle | BaseException | None], None]  # a cycle, an error, or N
 class _Active:
     def __init__(self, state: RequestState, sink: Sink, cancelled: threading.Event, window: int) -> None:
         self.state, self.sink, self.cancelled = state, sink, cancelled
-        self.tracker = AcceptanceTracker(window, max(state.block_len - 1, 1))
-        self.idle_steps = 0  # consecutive steps the auto policy gave this request draft length 0
+        self.memory = RequestMemory(state.block_len - 1, AcceptanceTracker(window, max(state.block_len - 1, 1)))
 
 
 class Scheduler:
@@ -52,13 +41,11 @@ class Scheduler:
         self.free_slots = list(range(backend.max_batch))
         self.queue: deque[tuple[Callable[[int], RequestState], Sink, threading.Event]] = deque()
         self.active: list[_Active] = []
-        self.prior = AcceptanceTracker(256, 64)
+        self.prior = AcceptanceTracker(256, 64)  # the session's acceptance: every request's starting estimate
+        self.planner = AutoPlanner(costs, self.prior)
         self._wake = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
-        self._auto_key: tuple[int, ...] = ()
-        self._auto_age = 0
-        self._auto_length = 0
 
     def submit(self, make_state: Callable[[int], RequestState], sink: Sink, cancelled: threading.Event) -> None:
         with self._wake:
@@ -119,28 +106,15 @@ class Scheduler:
 
     def draft_lengths(self) -> list[int]:
         """This step's draft length per active request (0 = plain decoding)."""
-        wanted = [a.state.block_len - 1 for a in self.active]
         if self.speculation.mode == "auto":
-            # the choice only changes with the batch or new acceptance data; reuse it for a few steps
-            key = tuple(id(a) for a in self.active)
-            exploring = any(len(a.tracker.cycles) < _AUTO_EXPLORE_CYCLES for a in self.active)
-            if key != self._auto_key or self._auto_age >= _AUTO_REFRESH_STEPS or self._auto_length or exploring:
-                prior = self.prior.conditional()
-                alphas = [a.tracker.conditional(prior) for a in self.active]
-                self._auto_length, _ = auto_length(self.costs, alphas, wanted)
-                self._auto_key, self._auto_age = key, 0
-            self._auto_age += 1
-            lengths = []
+            plan = self.planner.plan([a.memory for a in self.active],
+                                     [a.state.max_length - a.state.start for a in self.active])
             for entry in self.active:
-                length = min(self._auto_length, entry.state.block_len - 1)
-                if entry.state.uses_drafter and len(entry.tracker.cycles) < _AUTO_EXPLORE_CYCLES:
-                    length = entry.state.block_len - 1  # explore: acceptance is prompt-dependent, measure it
-                entry.idle_steps = entry.idle_steps + 1 if length == 0 else 0
-                if entry.idle_steps >= _AUTO_RETIRE_STEPS and entry.state.uses_drafter:
+                if entry.memory.retired and entry.state.uses_drafter:
                     entry.state.stop_drafting()
-                lengths.append(length)
-            return lengths
-        return static_lengths(self.speculation, wanted, [a.tracker.acceptance_rate for a in self.active])
+            return plan.lengths
+        wanted = [a.state.block_len - 1 for a in self.active]
+        return static_lengths(self.speculation, wanted, [a.memory.tracker.acceptance_rate for a in self.active])
 
     def _step(self) -> None:
         for entry in [a for a in self.active if a.cancelled.is_set()]:
@@ -176,12 +150,13 @@ class Scheduler:
         for entry, cycle in zip(batch, cycles):
             # crop to start: the bonus is not in the cache; it is verified as slot 0 of the next block
             self.backend.crop_target_slot(entry.state.slot, entry.state.start)
-            entry.tracker.observe(cycle.drafted, cycle.accepted)
+            entry.memory.tracker.observe(cycle.drafted, cycle.accepted)
             self.prior.observe(cycle.drafted, cycle.accepted)
+            self.planner.observed(cycle.drafted)
             entry.sink(cycle)
             if entry.state.finished:
                 self._release(entry)
-        self.costs.record_overhead(bool(drafting), time.perf_counter() - step_began - forwards)
+        self.costs.record_overhead(bool(drafting), len(batch), time.perf_counter() - step_began - forwards)
 
     def _release(self, entry: _Active) -> None:
         if entry in self.active:

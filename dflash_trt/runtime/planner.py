@@ -1,0 +1,153 @@
+"""The ``auto`` speculation policy, step by step: the batch's draft length, who explores, who retires.
+
+``policy.auto_length`` answers "which draft length maximises predicted tokens/s for these acceptance
+estimates"; this module keeps the per-request memory around it and decides, each step:
+
+1. **Hopeless batch.** If no draft length beats plain decoding at this batch size even with every draft
+   accepted (on a CPU at batch 64, verifying k+1 tokens per row costs more than k+1 plain steps), nothing
+   drafts and every drafting request retires at once: its verify forwards stop computing context taps
+   and it is exactly plain decoding from then on.
+2. **Exploit.** Each request's per-position acceptance α is its rolling window smoothed toward the
+   session's (the *prior*); the longer a request has not drafted, the more it reverts to the prior
+   (weight doubles every ``REVERT_STEPS`` idle steps), so one bad stretch does not stop a good request
+   for good. ``auto_length`` picks the shared length, 0 unless predicted > (1 + MARGIN) x plain.
+3. **Explore.** When that says plain decoding, requests that never drafted draft once, at the longest
+   length whose *net* predicted cost (step time minus the plain time of the tokens the prior expects it to
+   yield) stays within ``EXPLORE_BUDGET`` of the plain time those requests still have to run. Their own
+   acceptance then decides, not only the session's. The budget bounds what exploration can lose.
+4. **Retire.** A request plain for ``RETIRE_STEPS`` steps, in a batch where even the (informed) prior says
+   plain, stops drafting (no more taps).
+
+Plans are reused while the batch and the acceptance data are unchanged, re-made every
+``REFRESH_STEPS`` steps otherwise (idle requests drift back to the prior).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dflash_trt.runtime.costs import CostModel
+from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length, expected_tokens
+
+EXPLORE_BUDGET = 0.02
+"""Largest net predicted cost of an exploration step, as a fraction of the explorers' remaining plain time."""
+
+RETIRE_STEPS = 16
+"""Plain steps after which a request whose batch would not draft on the prior either stops drafting."""
+
+REVERT_STEPS = 8
+"""Idle steps over which the weight of the session prior in a request's acceptance estimate doubles."""
+
+REFRESH_STEPS = 8
+"""Steps a plan is reused for while the batch and the acceptance data are unchanged."""
+
+INFORMED_PRIOR_CYCLES = 16
+"""Cycles the session prior needs before "even the prior says plain" may retire a request."""
+
+PRIOR_WEIGHT = 2.0
+"""Pseudo-cycles of the session prior in a request's estimate right after it drafted."""
+
+
+@dataclass
+class RequestMemory:
+    """What the auto policy remembers about one request."""
+
+    wanted: int  # block_len - 1: the longest draft the request asked for
+    tracker: AcceptanceTracker
+    idle_steps: int = 0  # consecutive steps without drafting
+    retired: bool = False  # set by the planner: the request stops drafting for good
+
+    @property
+    def explored(self) -> bool:
+        return bool(self.tracker.cycles)
+
+
+@dataclass
+class Plan:
+    """One step's decision: the draft length of each request (0 = plain) and why."""
+
+    lengths: list[int]
+    reason: str  # "hopeless" | "exploit" | "explore" | "plain"
+    rates: dict[int, float] = field(default_factory=dict)  # predicted tokens/s per shared length
+
+
+class AutoPlanner:
+    """Stateful planner for one scheduler. ``plan`` is called once per step with the active requests."""
+
+    def __init__(self, costs: CostModel, prior: AcceptanceTracker) -> None:
+        self.costs, self.prior = costs, prior
+        self._key: tuple[int, ...] = ()
+        self._age = 0
+        self._dirty = True
+        self._cached: Plan | None = None
+
+    def observed(self, drafted: int) -> None:
+        """A cycle finished; one that drafted changes the acceptance data, so the next step re-plans."""
+        if drafted:
+            self._dirty = True
+
+    def plan(self, requests: list[RequestMemory], remaining: list[int]) -> Plan:
+        """Draft lengths for ``requests`` (``remaining[i]``: tokens request i may still produce)."""
+        key = tuple(id(r) for r in requests)
+        if self._cached is None or self._dirty or key != self._key or self._age >= REFRESH_STEPS:
+            self._cached = self._decide(requests, remaining)
+            self._key, self._age, self._dirty = key, 0, False
+        self._age += 1
+        plan = self._cached
+        for request, length in zip(requests, plan.lengths):
+            request.idle_steps = 0 if length else request.idle_steps + 1
+        return plan
+
+    def _decide(self, requests: list[RequestMemory], remaining: list[int]) -> Plan:
+        batch = len(requests)
+        live = [i for i, r in enumerate(requests) if not r.retired and r.wanted > 0]
+        if not live:
+            return Plan([0] * batch, "plain")
+        longest = max(requests[i].wanted for i in live)
+        if not self._could_gain(batch, len(live), longest):
+            for i in live:
+                requests[i].retired = True
+            return Plan([0] * batch, "hopeless")
+        prior = self.prior.conditional()
+        drafting = set(live)
+        wanted = [r.wanted if i in drafting else 0 for i, r in enumerate(requests)]
+        alphas = [r.tracker.conditional(prior, PRIOR_WEIGHT * 2 ** (r.idle_steps / REVERT_STEPS)) for r in requests]
+        length, rates = auto_length(self.costs, alphas, wanted)
+        if length:
+            return Plan([min(length, w) for w in wanted], "exploit", rates)
+        explored = self._explore(requests, wanted, remaining, prior)
+        if explored is not None:
+            return Plan(explored, "explore", rates)
+        informed = self.prior.observed_cycles >= INFORMED_PRIOR_CYCLES
+        if informed and auto_length(self.costs, [prior] * batch, wanted)[0] == 0:  # even the prior says plain
+            for i in live:
+                if requests[i].idle_steps + 1 >= RETIRE_STEPS:
+                    requests[i].retired = True
+        return Plan([0] * batch, "plain", rates)
+
+    def _could_gain(self, batch: int, drafting: int, longest: int) -> bool:
+        """Would any length beat plain decoding at this batch if every draft were accepted?"""
+        plain = batch / self.costs.step(batch, 0, 0)
+        return any((batch + drafting * k) / self.costs.step(batch, drafting, k) > (1 + MARGIN) * plain
+                   for k in self.costs.draft_len_candidates(longest) if k)
+
+    def _explore(self, requests: list[RequestMemory], wanted: list[int], remaining: list[int],
+                 prior: list[float]) -> list[int] | None:
+        """Lengths that let the never-drafted requests draft once within the budget, or None."""
+        explorers = [i for i, r in enumerate(requests) if wanted[i] and not r.explored]
+        if not explorers:
+            return None
+        batch = len(requests)
+        plain_step = self.costs.step(batch, 0, 0)
+        budget = EXPLORE_BUDGET * plain_step * sum(max(remaining[i], 1) for i in explorers) / len(explorers)
+        longest = max(wanted[i] for i in explorers)
+        for k in sorted(self.costs.draft_len_candidates(longest), reverse=True):
+            if not k:
+                break
+            tokens = batch + sum(expected_tokens(prior, min(k, wanted[i])) - 1 for i in explorers)
+            net_cost = self.costs.step(batch, len(explorers), k) - plain_step * tokens / batch
+            if net_cost <= budget:
+                chosen = set(explorers)
+                return [min(k, wanted[i]) if i in chosen else 0 for i in range(batch)]
+        return None
+
