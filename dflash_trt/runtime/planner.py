@@ -11,12 +11,13 @@ estimates"; this module keeps the per-request memory around it and decides, each
    session's (the *prior*); the longer a request has not drafted, the more it reverts to the prior
    (weight doubles every ``REVERT_STEPS`` idle steps), so one bad stretch does not stop a good request
    for good. ``auto_length`` picks the shared length, 0 unless predicted > (1 + MARGIN) x plain.
-3. **Explore.** When that says plain decoding, requests that never drafted draft once, at the longest
-   length whose *net* predicted cost (step time minus the plain time of the tokens the prior expects it to
-   yield) stays within ``EXPLORE_BUDGET`` of the plain time those requests still have to run. Their own
-   acceptance then decides, not only the session's. The budget bounds what exploration can lose.
-4. **Retire.** A request plain for ``RETIRE_STEPS`` steps, in a batch where even the (informed) prior says
-   plain, stops drafting (no more taps).
+3. **Explore.** When that says plain decoding, requests that never drafted draft their full block once,
+   paid from an *exploration credit*: every step adds ``EXPLORE_BUDGET`` x its plain-decoding cost, and
+   an exploration step spends its net predicted cost (step time minus the plain time of the tokens the
+   prior expects it to yield). So exploration never costs more than ``EXPLORE_BUDGET`` of the time served,
+   yet a session whose prior went bad keeps sampling new requests and recovers when the workload changes.
+4. **Retire.** A request plain for ``RETIRE_STEPS`` steps, in a batch where even the prior says plain,
+   stops drafting (no more taps; reverting to the prior could not bring it back).
 
 Plans are reused while the batch and the acceptance data are unchanged, re-made every
 ``REFRESH_STEPS`` steps otherwise (idle requests drift back to the prior).
@@ -29,10 +30,13 @@ from dataclasses import dataclass, field
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length, expected_tokens
 
-EXPLORE_BUDGET = 0.02
-"""Largest net predicted cost of an exploration step, as a fraction of the explorers' remaining plain time."""
+EXPLORE_BUDGET = 0.01
+"""Exploration may cost at most this fraction of the (plain-decoding) time served."""
 
-RETIRE_STEPS = 16
+CREDIT_CAP_EXPLORATIONS = 4
+"""The exploration credit banks at most this many explorations' worth (no burst after a long idle spell)."""
+
+RETIRE_STEPS = 8
 """Plain steps after which a request whose batch would not draft on the prior either stops drafting."""
 
 REVERT_STEPS = 8
@@ -40,9 +44,6 @@ REVERT_STEPS = 8
 
 REFRESH_STEPS = 8
 """Steps a plan is reused for while the batch and the acceptance data are unchanged."""
-
-INFORMED_PRIOR_CYCLES = 16
-"""Cycles the session prior needs before "even the prior says plain" may retire a request."""
 
 PRIOR_WEIGHT = 2.0
 """Pseudo-cycles of the session prior in a request's estimate right after it drafted."""
@@ -67,7 +68,8 @@ class Plan:
     """One step's decision: the draft length of each request (0 = plain) and why."""
 
     lengths: list[int]
-    reason: str  # "hopeless" | "exploit" | "explore" | "plain"
+    reason: str  # "plain" | "hopeless" | "exploit" | "explore"
+    plain_step_s: float = 0.0  # predicted seconds of a plain step of this batch
     rates: dict[int, float] = field(default_factory=dict)  # predicted tokens/s per shared length
 
 
@@ -76,6 +78,10 @@ class AutoPlanner:
 
     def __init__(self, costs: CostModel, prior: AcceptanceTracker) -> None:
         self.costs, self.prior = costs, prior
+        # exploration credit in seconds; a new session starts with a full bank (the cap, once the first
+        # exploration's cost is known), so its first requests measure their acceptance right away
+        self.credit_s = float("inf")
+        self.credit_cap_s = float("inf")
         self._key: tuple[int, ...] = ()
         self._age = 0
         self._dirty = True
@@ -86,44 +92,45 @@ class AutoPlanner:
         if drafted:
             self._dirty = True
 
-    def plan(self, requests: list[RequestMemory], remaining: list[int]) -> Plan:
-        """Draft lengths for ``requests`` (``remaining[i]``: tokens request i may still produce)."""
+    def plan(self, requests: list[RequestMemory]) -> Plan:
+        """This step's draft length per request."""
         key = tuple(id(r) for r in requests)
         if self._cached is None or self._dirty or key != self._key or self._age >= REFRESH_STEPS:
-            self._cached = self._decide(requests, remaining)
+            self._cached = self._decide(requests)
             self._key, self._age, self._dirty = key, 0, False
         self._age += 1
         plan = self._cached
+        self.credit_s = min(self.credit_s + EXPLORE_BUDGET * plan.plain_step_s, self.credit_cap_s)
         for request, length in zip(requests, plan.lengths):
             request.idle_steps = 0 if length else request.idle_steps + 1
         return plan
 
-    def _decide(self, requests: list[RequestMemory], remaining: list[int]) -> Plan:
+    def _decide(self, requests: list[RequestMemory]) -> Plan:
         batch = len(requests)
+        plain_step = self.costs.step(batch, 0, 0)
         live = [i for i, r in enumerate(requests) if not r.retired and r.wanted > 0]
         if not live:
-            return Plan([0] * batch, "plain")
+            return Plan([0] * batch, "plain", plain_step)
         longest = max(requests[i].wanted for i in live)
         if not self._could_gain(batch, len(live), longest):
             for i in live:
                 requests[i].retired = True
-            return Plan([0] * batch, "hopeless")
+            return Plan([0] * batch, "hopeless", plain_step)
         prior = self.prior.conditional()
         drafting = set(live)
         wanted = [r.wanted if i in drafting else 0 for i, r in enumerate(requests)]
         alphas = [r.tracker.conditional(prior, PRIOR_WEIGHT * 2 ** (r.idle_steps / REVERT_STEPS)) for r in requests]
         length, rates = auto_length(self.costs, alphas, wanted)
         if length:
-            return Plan([min(length, w) for w in wanted], "exploit", rates)
-        explored = self._explore(requests, wanted, remaining, prior)
+            return Plan([min(length, w) for w in wanted], "exploit", plain_step, rates)
+        explored = self._explore(requests, wanted, prior, plain_step)
         if explored is not None:
-            return Plan(explored, "explore", rates)
-        informed = self.prior.observed_cycles >= INFORMED_PRIOR_CYCLES
-        if informed and auto_length(self.costs, [prior] * batch, wanted)[0] == 0:  # even the prior says plain
+            return Plan(explored, "explore", plain_step, rates)
+        if auto_length(self.costs, [prior] * batch, wanted)[0] == 0:  # even the prior says plain here
             for i in live:
                 if requests[i].idle_steps + 1 >= RETIRE_STEPS:
                     requests[i].retired = True
-        return Plan([0] * batch, "plain", rates)
+        return Plan([0] * batch, "plain", plain_step, rates)
 
     def _could_gain(self, batch: int, drafting: int, longest: int) -> bool:
         """Would any length beat plain decoding at this batch if every draft were accepted?"""
@@ -131,23 +138,19 @@ class AutoPlanner:
         return any((batch + drafting * k) / self.costs.step(batch, drafting, k) > (1 + MARGIN) * plain
                    for k in self.costs.draft_len_candidates(longest) if k)
 
-    def _explore(self, requests: list[RequestMemory], wanted: list[int], remaining: list[int],
-                 prior: list[float]) -> list[int] | None:
-        """Lengths that let the never-drafted requests draft once within the budget, or None."""
+    def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float],
+                 plain_step: float) -> list[int] | None:
+        """Full-block drafts for the never-drafted requests if the credit pays for them, else None."""
         explorers = [i for i, r in enumerate(requests) if wanted[i] and not r.explored]
         if not explorers:
             return None
         batch = len(requests)
-        plain_step = self.costs.step(batch, 0, 0)
-        budget = EXPLORE_BUDGET * plain_step * sum(max(remaining[i], 1) for i in explorers) / len(explorers)
         longest = max(wanted[i] for i in explorers)
-        for k in sorted(self.costs.draft_len_candidates(longest), reverse=True):
-            if not k:
-                break
-            tokens = batch + sum(expected_tokens(prior, min(k, wanted[i])) - 1 for i in explorers)
-            net_cost = self.costs.step(batch, len(explorers), k) - plain_step * tokens / batch
-            if net_cost <= budget:
-                chosen = set(explorers)
-                return [min(k, wanted[i]) if i in chosen else 0 for i in range(batch)]
-        return None
-
+        tokens = batch + sum(expected_tokens(prior, wanted[i]) - 1 for i in explorers)
+        net_cost = self.costs.step(batch, len(explorers), longest) - plain_step * tokens / batch
+        self.credit_cap_s = CREDIT_CAP_EXPLORATIONS * max(net_cost, 0.0) or float("inf")
+        if net_cost > self.credit_s:
+            return None
+        self.credit_s -= max(net_cost, 0.0)
+        chosen = set(explorers)
+        return [wanted[i] if i in chosen else 0 for i in range(batch)]

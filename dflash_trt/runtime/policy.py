@@ -93,10 +93,6 @@ class AcceptanceTracker:
             self._cached[weight] = alphas
         return alphas
 
-    @property
-    def observed_cycles(self) -> int:
-        return len(self.cycles)
-
 
 def expected_tokens(alphas: list[float], draft_len: int) -> float:
     """``E(k) = 1 + Σ_{i<=k} Π_{j<=i} α_j``: committed tokens per cycle with k drafts (bonus included)."""

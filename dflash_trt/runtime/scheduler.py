@@ -107,8 +107,7 @@ class Scheduler:
     def draft_lengths(self) -> list[int]:
         """This step's draft length per active request (0 = plain decoding)."""
         if self.speculation.mode == "auto":
-            plan = self.planner.plan([a.memory for a in self.active],
-                                     [a.state.max_length - a.state.start for a in self.active])
+            plan = self.planner.plan([a.memory for a in self.active])
             for entry in self.active:
                 if entry.memory.retired and entry.state.uses_drafter:
                     entry.state.stop_drafting()
