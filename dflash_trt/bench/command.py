@@ -44,10 +44,12 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")
 @click.option("--no-peers", is_flag=True, help="Skip transformers generate() and the dflash reference.")
 @click.option("--no-adaptive", is_flag=True, help="Skip DFlash with the `auto` (cost-model) speculation policy.")
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="Run each cell's requests this many times (more waves; the report shows the per-wave spread).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for report.json/.md and plots.")
 def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, concurrency, block_len, temperature,
-                  max_new_tokens, gpu_hour_cost, no_peers, no_adaptive, seed, out) -> None:
+                  max_new_tokens, gpu_hour_cost, no_peers, no_adaptive, repeats, seed, out) -> None:
     """Benchmark DFlash against plain decoding in the same runtime, on the same requests."""
     from rich.progress import Progress
 
@@ -62,7 +64,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         concurrency=_numbers(concurrency, int, "--concurrency"),
         block_lens=_numbers(block_len, int, "--block-len") if block_len else None,
         temperatures=_numbers(temperature, float, "--temperature"), max_new_tokens=max_new_tokens, seed=seed,
-        gpu_hour_cost=gpu_hour_cost, peers=not no_peers, adaptive=not no_adaptive)
+        gpu_hour_cost=gpu_hour_cost, peers=not no_peers, adaptive=not no_adaptive, repeats=repeats)
     max_batch = max(config.concurrency)
     if engine is not None:
         session = Session.load(engine, max_batch=max_batch)

@@ -1,13 +1,15 @@
 """The honest A/B benchmark: plain decoding vs DFlash in the same session, on the same requests.
 
-For every (dataset, temperature, block length, concurrency) cell the requests run in waves of
-``concurrency``; each wave runs once per mode, and the mode order alternates (A B, B A, ...) so
-machine drift and cache warmth cancel. Peers (transformers ``generate``, the official ``dflash``
+For every (dataset, temperature, block length, concurrency) cell, one untimed wave per mode warms
+that batch size up; then the requests run in waves of ``concurrency`` (``repeats`` times over);
+each wave runs once per mode, and the mode order alternates (A B, B A, ...) so machine drift and
+cache warmth cancel. Per-wave speed-ups are kept so the report can show their spread (the noise). Peers (transformers ``generate``, the official ``dflash``
 reference) run the same prompts interleaved at concurrency 1. Warm-up requests are excluded.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +41,8 @@ class BenchConfig(BaseModel):
     temperatures: tuple[float, ...] = Field(default=(0.0,), description="Sampling temperatures (0 = greedy).")
     max_new_tokens: PositiveInt = Field(default=128, description="Tokens generated per request.")
     warmup: NonNegativeInt = Field(default=2, description="Untimed requests per mode before measuring.")
+    repeats: PositiveInt = Field(default=1, description="Times each cell's requests are run (more waves, so the "
+                                                         "spread of per-wave speed-ups shows the noise).")
     seed: int = Field(default=0, description="Base seed; request i uses seed + i.")
     gpu_hour_cost: PositiveFloat | None = Field(default=None, description="USD per machine-hour for cost/1k tokens.")
     peers: bool = Field(default=True, description="Also time transformers generate() and the dflash reference.")
@@ -57,6 +61,7 @@ class CellResult:
     concurrency: int
     timings: dict[str, list[Timing]] = field(default_factory=dict)
     walls: dict[str, float] = field(default_factory=dict)
+    wave_rates: dict[str, list[float]] = field(default_factory=dict)  # output tokens/s of each wave, per mode
     prompts: list[Prompt] = field(default_factory=list)
     skipped: int = 0  # prompts of the set that do not fit the context with max_new_tokens: passed over, never cut
 
@@ -84,18 +89,24 @@ def _run_wave(runner: Runner, wave: list[tuple[list[int], SamplingParams]]) -> t
 
 
 def run_cell(runners: dict[str, Runner], requests: list[tuple[list[int], SamplingParams]], concurrency: int,
-             cell: CellResult) -> None:
-    """Run ``requests`` in waves through every runner, alternating the order of modes each wave."""
+             cell: CellResult, repeats: int = 1) -> None:
+    """Warm every runner up with one untimed wave at this concurrency, then run ``requests`` (``repeats``
+    times) in waves through every runner, alternating the order of modes each wave."""
     names = list(runners)
+    warm = [(ids, params.model_copy(update={"max_new_tokens": min(16, params.max_new_tokens)}))
+            for ids, params in requests[:concurrency]]
     for name in names:
-        cell.timings[name], cell.walls[name] = [], 0.0
-    for number, start in enumerate(range(0, len(requests), concurrency)):
+        _run_wave(runners[name], warm)
+        cell.timings[name], cell.walls[name], cell.wave_rates[name] = [], 0.0, []
+    starts = [start for _ in range(repeats) for start in range(0, len(requests), concurrency)]
+    for number, start in enumerate(starts):
         wave = requests[start:start + concurrency]
         order = names if number % 2 == 0 else names[::-1]
         for name in order:
             timings, wall = _run_wave(runners[name], wave)
             cell.timings[name] += timings
             cell.walls[name] += wall
+            cell.wave_rates[name].append(sum(len(t.token_ids) for t in timings) / wall)
 
 
 def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callable[[int], Runner]] | None = None,
@@ -131,7 +142,7 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
         if peers and concurrency == 1 and temperature == 0 and block_len == block_lens[0]:
             runners |= {name: make(block_len) for name, make in peers.items()}
         cell = CellResult(prompt_set.name, temperature, block_len, concurrency, prompts=prompts, skipped=skipped)
-        run_cell(runners, requests, concurrency, cell)
+        run_cell(runners, requests, concurrency, cell, config.repeats)
         results.append(cell)
         if progress is not None:
             progress(cell.key(), done + 1, len(cells))
@@ -149,10 +160,20 @@ def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
         "speedup_throughput": dflash["output_tokens_per_s"] / ar["output_tokens_per_s"],
         "speedup_tpot": (ar["tpot_s"]["p50"] / dflash["tpot_s"]["p50"]) if dflash["tpot_s"]["p50"] else 0.0,
     }
+    summary["speedup_throughput_waves"] = _wave_spread(cell, DFLASH)
     if DFLASH_AUTO in modes:
         summary["speedup_auto"] = modes[DFLASH_AUTO]["output_tokens_per_s"] / ar["output_tokens_per_s"]
+        summary["speedup_auto_waves"] = _wave_spread(cell, DFLASH_AUTO)
     if cell.temperature == 0:
         reference = [t.token_ids for t in cell.timings[AR]]
         summary["identical_to_ar"] = {name: [t.token_ids for t in timings] == reference
                                       for name, timings in cell.timings.items() if name != AR}
     return summary
+
+
+def _wave_spread(cell: CellResult, mode: str) -> dict[str, float] | None:
+    """Min / median / max over waves of (mode's tokens/s ÷ plain decoding's) on the same wave."""
+    ratios = sorted(m / a for m, a in zip(cell.wave_rates.get(mode, []), cell.wave_rates.get(AR, [])))
+    if not ratios:
+        return None
+    return {"min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1], "waves": len(ratios)}

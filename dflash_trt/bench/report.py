@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.bench.datasets import PromptSet
-from dflash_trt.bench.harness import AR, DFLASH, BenchConfig, CellResult, cell_summary
+from dflash_trt.bench.harness import AR, DFLASH, DFLASH_AUTO, BenchConfig, CellResult, cell_summary
 
 _PACKAGES = ("dflash-trt", "torch", "numpy", "transformers", "dflash", "onnxruntime", "tensorrt", "tensorrt_llm")
 
@@ -104,8 +104,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{hw['cpu_count']} cores, torch threads {hw['torch_threads']}), GPU: {hw['gpu'] or 'none'}",
         f"- packages: " + ", ".join(f"{k} {v}" for k, v in conds["packages"].items()),
         f"- max_new_tokens {conds['config']['max_new_tokens']}, {conds['config']['num_prompts']} prompts per "
-        f"dataset, seed {conds['config']['seed']}, warm-up {conds['config']['warmup']} requests excluded; modes "
-        "interleaved wave by wave (A B, B A, ...)",
+        f"dataset, {conds['config'].get('repeats', 1)} pass(es) over them, seed {conds['config']['seed']}, warm-up "
+        f"{conds['config']['warmup']} requests and one wave per cell excluded; modes interleaved wave by wave "
+        "(A B, B A, ...)",
         f"- peak RSS {report['peak_rss_mb']:.0f} MB",
         "",
         "Speed-up = DFlash output tokens/s ÷ plain decoding output tokens/s, same session, same requests "
@@ -131,6 +132,18 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"{_fmt_ms(mode['ttft_s']['p50'])} | {_fmt_ms(mode['tpot_s']['p50'])} | {_fmt_ms(mode['itl_s']['p50'])}"
                 f" | {_fmt_ms(e2e['p50'])}/{_fmt_ms(e2e['p95'])}/{_fmt_ms(e2e['p99'])} | {tau} | {speedup:.2f}x | "
                 f"{tpot_speedup:.2f}x | {'–' if same is None else ('yes' if same else 'NO')} |")
+    spread = [(cell, name, cell.get(key)) for cell in report["cells"]
+              for name, key in ((DFLASH, "speedup_throughput_waves"), (DFLASH_AUTO, "speedup_auto_waves"))]
+    spread = [(cell, name, waves) for cell, name, waves in spread if waves and waves["waves"] > 1]
+    if spread:
+        lines += ["", "## Speed-up per wave (the noise)", "",
+                  "Each wave runs every mode on the same requests back to back; the spread of the per-wave ratios "
+                  "shows how much of a difference is noise.", "",
+                  "| dataset | T | B | conc. | mode | waves | min | median | max |", "|---|---|---|---|---|---|---|---|---|"]
+        for cell, name, waves in spread:
+            lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} "
+                         f"| {name} | {waves['waves']} | {waves['min']:.2f}x | {waves['median']:.2f}x | "
+                         f"{waves['max']:.2f}x |")
     lines += ["", "## Acceptance (DFlash)", "", "| dataset | T | B | conc. | τ | draft acceptance | per-position "
               "acceptance (first 8) | histogram |", "|---|---|---|---|---|---|---|---|"]
     for cell in report["cells"]:

@@ -12,7 +12,8 @@ estimates"; this module keeps the per-request memory around it and decides, each
    (weight doubles every ``REVERT_STEPS`` idle steps), so one bad stretch does not stop a good request
    for good. ``auto_length`` picks the shared length, 0 unless predicted > (1 + MARGIN) x plain.
 3. **Explore.** When that says plain decoding, requests that never drafted draft their full block once,
-   paid from an *exploration credit*: every step adds ``EXPLORE_BUDGET`` x its plain-decoding cost, and
+   if an explorer better than the prior (each α halfway to 1, or optimistic while the prior has few
+   cycles) would make drafting pay at this batch, paid from an *exploration credit*: every step adds ``EXPLORE_BUDGET`` x its plain-decoding cost, and
    an exploration step spends its net predicted cost (step time minus the plain time of the tokens the
    prior expects it to yield). So exploration never costs more than ``EXPLORE_BUDGET`` of the time served,
    yet a session whose prior went bad keeps sampling new requests and recovers when the workload changes.
@@ -33,7 +34,7 @@ from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length, ex
 EXPLORE_BUDGET = 0.01
 """Exploration may cost at most this fraction of the (plain-decoding) time served."""
 
-CREDIT_CAP_EXPLORATIONS = 4
+CREDIT_CAP_EXPLORATIONS = 2
 """The exploration credit banks at most this many explorations' worth (no burst after a long idle spell)."""
 
 RETIRE_STEPS = 8
@@ -44,6 +45,9 @@ REVERT_STEPS = 8
 
 REFRESH_STEPS = 8
 """Steps a plan is reused for while the batch and the acceptance data are unchanged."""
+
+HOPEFUL_PSEUDO = 4.0
+"""Accepted pseudo-cycles per position in the optimistic estimate that gates exploration."""
 
 PRIOR_WEIGHT = 2.0
 """Pseudo-cycles of the session prior in a request's estimate right after it drafted."""
@@ -146,11 +150,24 @@ class AutoPlanner:
             return None
         batch = len(requests)
         longest = max(wanted[i] for i in explorers)
+        step = self.costs.step(batch, len(explorers), longest)
+        # worth measuring only if an explorer that beats the prior would pay here
+        hopeful = self._hopeful(prior)
+        best_case = batch + sum(expected_tokens(hopeful, wanted[i]) - 1 for i in explorers)
+        if best_case / step <= (1 + MARGIN) * batch / plain_step:
+            return None
         tokens = batch + sum(expected_tokens(prior, wanted[i]) - 1 for i in explorers)
-        net_cost = self.costs.step(batch, len(explorers), longest) - plain_step * tokens / batch
+        net_cost = step - plain_step * tokens / batch
         self.credit_cap_s = CREDIT_CAP_EXPLORATIONS * max(net_cost, 0.0) or float("inf")
         if net_cost > self.credit_s:
             return None
         self.credit_s -= max(net_cost, 0.0)
         chosen = set(explorers)
         return [wanted[i] if i in chosen else 0 for i in range(batch)]
+
+    def _hopeful(self, prior: list[float]) -> list[float]:
+        """Per position, the better of: halfway from the prior's α to 1 (a request better than average), and
+        an optimistic count (``HOPEFUL_PSEUDO`` accepted pseudo-cycles: the prior knows little yet)."""
+        passed, reached = self.prior.passed, self.prior.reached
+        return [max((1 + alpha) / 2, (passed[j] + HOPEFUL_PSEUDO) / (reached[j] + HOPEFUL_PSEUDO))
+                for j, alpha in enumerate(prior)]
