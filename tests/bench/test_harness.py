@@ -1,0 +1,61 @@
+"""The A/B benchmark harness (bench/harness.py, bench/report.py): order of modes, warm-up, repeats, the
+per-wave spread, and a small end-to-end run on the embedded pair whose DFlash outputs equal plain decoding."""
+
+from __future__ import annotations
+
+from dflash_trt.bench.harness import AR, DFLASH, DFLASH_AUTO, BenchConfig, CellResult, cell_summary, run_benchmark, \
+    run_cell
+from dflash_trt.bench.report import build_report, conditions, render_markdown, write_report
+from dflash_trt.bench.runners import Timing
+from dflash_trt.config import SamplingParams
+from dflash_trt.runtime.policy import SpeculationConfig
+from dflash_trt.runtime.session import Session
+
+
+class RecordingRunner:
+    """Answers instantly with one token per prompt id and records what it ran, in order."""
+
+    def __init__(self, name: str, log: list[tuple[str, int, int]]) -> None:
+        self.name, self.log = name, log
+
+    def __call__(self, prompt_ids, params: SamplingParams, submitted_at: float) -> Timing:
+        self.log.append((self.name, prompt_ids[0], params.max_new_tokens))
+        return Timing(list(prompt_ids), [0.001], [len(prompt_ids)])
+
+
+def test_each_cell_warms_up_then_alternates_the_mode_order_wave_by_wave_over_the_repeats():
+    log: list[tuple[str, int, int]] = []
+    runners = {AR: RecordingRunner(AR, log), DFLASH: RecordingRunner(DFLASH, log)}
+    requests = [([index], SamplingParams(max_new_tokens=32)) for index in range(4)]
+    cell = CellResult("set", 0.0, 16, concurrency=2)
+    run_cell(runners, requests, 2, cell, repeats=2)
+    warm, timed = log[:4], log[4:]
+    assert warm == [(AR, 0, 16), (AR, 1, 16), (DFLASH, 0, 16), (DFLASH, 1, 16)]  # one short untimed wave each
+    firsts = [timed[i][0] for i in range(0, len(timed), 2)]  # the mode that ran each half-wave, in order
+    assert firsts == [AR, DFLASH, DFLASH, AR, AR, DFLASH, DFLASH, AR]  # A B, B A, A B, B A
+    assert [entry[1] for entry in timed[::4]] == [0, 2, 0, 2]  # two passes over the requests
+    assert len(cell.timings[AR]) == len(cell.timings[DFLASH]) == 8
+    assert len(cell.wave_rates[AR]) == len(cell.wave_rates[DFLASH]) == 4
+
+
+def test_embedded_pair_bench_is_lossless_and_reports_the_per_wave_spread(tmp_path):
+    session = Session.from_checkpoints(max_batch=2)
+    adaptive = Session(session.pair, max_batch=2, speculation=SpeculationConfig(mode="auto"))
+    config = BenchConfig(datasets=("tinystories",), num_prompts=4, concurrency=(1, 2), max_new_tokens=12,
+                         warmup=1, repeats=2, peers=False)
+    cells = run_benchmark(session, config, adaptive=adaptive)
+    assert [(c.dataset, c.concurrency) for c in cells] == [("tinystories", 1), ("tinystories", 2)]
+    for cell in cells:
+        summary = cell_summary(cell, config)
+        assert summary["identical_to_ar"] == {DFLASH: True, DFLASH_AUTO: True}
+        assert summary["speedup_auto_waves"]["waves"] == 2 * 4 // cell.concurrency
+        spread = summary["speedup_throughput_waves"]
+        assert spread["min"] <= spread["median"] <= spread["max"]
+        assert all(len(t.token_ids) == 12 or t.token_ids[-1] in session.pair.target.config.eos_token_ids
+                   for t in cell.timings[AR])
+    report = build_report(cells, config, conditions(session, config, [], [], "dflash-trt bench (test)"))
+    markdown = render_markdown(report)
+    assert "## Speed-up per wave (the noise)" in markdown
+    assert "2 pass(es)" in markdown
+    written = write_report(report, tmp_path)
+    assert {p.name for p in written} >= {"report.json", "report.md"}
