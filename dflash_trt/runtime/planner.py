@@ -91,10 +91,15 @@ class AutoPlanner:
         self._dirty = True
         self._cached: Plan | None = None
 
-    def observed(self, drafted: int) -> None:
-        """A cycle finished; one that drafted changes the acceptance data, so the next step re-plans."""
+    def observed(self, drafted: int, accepted: int) -> None:
+        """A cycle of this step finished. One that drafted changes the acceptance data, so the next step
+        re-plans; an exploring one refunds the plain time of the drafts it got accepted (an exploration is
+        charged as if nothing were accepted, so the credit tracks what exploring really cost)."""
         if drafted:
             self._dirty = True
+        plan = self._cached
+        if plan is not None and plan.reason == "explore" and accepted:
+            self.credit_s += plan.plain_step_s * accepted / len(plan.lengths)
 
     def plan(self, requests: list[RequestMemory]) -> Plan:
         """This step's draft length per request."""
@@ -157,11 +162,11 @@ class AutoPlanner:
         if best_case / step <= (1 + MARGIN) * batch / plain_step:
             return None
         tokens = batch + sum(expected_tokens(prior, wanted[i]) - 1 for i in explorers)
-        net_cost = step - plain_step * tokens / batch
-        self.credit_cap_s = CREDIT_CAP_EXPLORATIONS * max(net_cost, 0.0) or float("inf")
+        net_cost = step - plain_step * tokens / batch  # what the prior expects it to cost
+        self.credit_cap_s = CREDIT_CAP_EXPLORATIONS * max(step - plain_step, 0.0) or float("inf")
         if net_cost > self.credit_s:
             return None
-        self.credit_s -= max(net_cost, 0.0)
+        self.credit_s -= step - plain_step  # charged in full; ``observed`` refunds what was accepted
         chosen = set(explorers)
         return [wanted[i] if i in chosen else 0 for i in range(batch)]
 

@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from cost_tables import linear_costs
 from hypothesis import given
 from hypothesis import strategies as st
-
-from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.policy import (AcceptanceTracker, SpeculationConfig, auto_length, expected_tokens,
                                        scheduled_length, static_lengths)
-
-
-def linear_costs(verify_base: float, verify_per_token: float, draft_base: float, draft_per_token: float,
-                 max_batch: int = 64, max_width: int = 16) -> CostModel:
-    costs = CostModel()
-    for batch in (1, 2, 4, 8, 16, 32, 64):
-        for width in (1, 2, 4, 8, 16):
-            costs.record("verify", batch, width, verify_base + verify_per_token * batch * width)
-            costs.record("draft", batch, width, draft_base + draft_per_token * batch * width)
-    return costs
 
 
 def test_expected_tokens_counts_the_bonus_and_the_surviving_prefix():
