@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import tiny_target
+from in_memory_targets import tiny_target
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.model.draft_head import build_target_layer_ids

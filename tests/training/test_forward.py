@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from helpers import MASK_TOKEN_ID, tiny_target
+from in_memory_targets import MASK_TOKEN_ID, tiny_target
 
 from dflash_trt.training.draft_config import draft_config_for
 from dflash_trt.training.forward import draft_forward_blocks
