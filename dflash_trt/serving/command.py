@@ -61,10 +61,13 @@ def triton_group() -> None:
               help="Also write the TensorRT-LLM llmapi variant (model.yaml with the DFlash speculative_config) here; "
               "GPU + TensorRT-LLM only.")
 @click.option("--llmapi-model", help="Target HF folder or hub id for model.yaml. Default: --target.")
+@click.option("--speculation", type=click.Choice(["auto", "static"]), default="auto", show_default=True,
+              help="Draft-length policy: auto (measured costs and acceptance; 0 = plain decoding where drafting "
+                   "loses) or static (always the full block).")
 @click.option("--force", is_flag=True, help="Replace existing model folders.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as one JSON object.")
 def export_command(engine, backend, target, draft, repo, name, streaming, instances, max_batch_size, llmapi_repo,
-                   llmapi_model, force, as_json) -> None:
+                   llmapi_model, speculation, force, as_json) -> None:
     """Write repo/NAME/config.pbtxt and repo/NAME/1/model.py (a thin python-backend model)."""
     from pydantic import ValidationError
 
@@ -73,7 +76,8 @@ def export_command(engine, backend, target, draft, repo, name, streaming, instan
 
     try:
         config = TritonExportConfig(repo=repo, name=name, engine=engine, backend=backend, target=target, draft=draft,
-                                    streaming=streaming, instances=instances, max_batch_size=max_batch_size,
+                                    streaming=streaming, speculation=speculation, instances=instances,
+                                    max_batch_size=max_batch_size,
                                     force=force, llmapi_repo=llmapi_repo, llmapi_model=llmapi_model)
     except ValidationError as exc:
         raise RequestError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None

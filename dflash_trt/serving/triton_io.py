@@ -64,6 +64,7 @@ PARAM_BACKEND = "backend"
 PARAM_TARGET = "target_checkpoint"
 PARAM_DRAFT = "draft_checkpoint"
 PARAM_STREAMING = "streaming"
+PARAM_SPECULATION = "speculation"
 PARAM_VERSION = "dflash_trt_version"
 
 
@@ -80,6 +81,7 @@ class ModelSettings:
     backend: str
     target: str | None
     draft: str | None
+    speculation: str = "auto"  # the Session's SpeculationConfig mode
 
     @classmethod
     def from_model_config(cls, config: dict) -> ModelSettings:
@@ -95,6 +97,7 @@ class ModelSettings:
             backend=params.get(PARAM_BACKEND) or "auto",
             target=params.get(PARAM_TARGET) or None,
             draft=params.get(PARAM_DRAFT) or None,
+            speculation=params.get(PARAM_SPECULATION) or "auto",
         )
 
     def policy_problem(self) -> str | None:
@@ -105,6 +108,18 @@ class ModelSettings:
                 f"parameter `{PARAM_STREAMING}` is {str(self.streaming).lower()}; expected them equal (streaming needs "
                 "a decoupled model, and a decoupled model streams). Fix: re-export with `dflash-trt triton export"
                 f"{' --streaming' if self.streaming else ''}` instead of editing config.pbtxt by hand.")
+
+
+def open_session(settings: ModelSettings) -> Session:
+    """The Session a model instance serves: its engine folder (or checkpoints), batch size and policy."""
+    from dflash_trt.runtime.policy import SpeculationConfig
+    from dflash_trt.runtime.session import Session
+
+    policy = SpeculationConfig(mode=settings.speculation)
+    if settings.engine_dir:
+        return Session.load(settings.engine_dir, settings.backend, max_batch=settings.max_batch, speculation=policy)
+    return Session.from_checkpoints(settings.target, settings.draft, max_batch=settings.max_batch,
+                                    speculation=policy)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
@@ -39,6 +40,9 @@ class TritonExportConfig(BaseModel):
     target: Path | None = Field(default=None, description="Target checkpoint (instead of --engine).")
     draft: Path | None = Field(default=None, description="DFlash drafter folder (instead of --engine).")
     streaming: bool = Field(default=False, description="Decoupled model that streams one response per cycle.")
+    speculation: Literal["auto", "static"] = Field(default="auto", description="Draft-length policy of the served "
+                                                   "Session: `auto` (cost model; never slower than plain decoding by "
+                                                   "design) or `static` (always block_len - 1).")
     instances: PositiveInt = Field(default=1, description="Model instances (instance_group count, KIND_CPU).")
     max_batch_size: NonNegativeInt = Field(default=8, description="Triton max_batch_size (0 = no batching).")
     max_queue_delay_us: NonNegativeInt = Field(default=1000, description="Dynamic batching queue delay.")
@@ -85,7 +89,8 @@ def model_parameters(config: TritonExportConfig) -> dict[str, str]:
     """The ``parameters`` the template reads (absolute paths: tritonserver's working folder is not ours)."""
     from dflash_trt import __version__
 
-    params = {io.PARAM_STREAMING: "true" if config.streaming else "false", io.PARAM_VERSION: __version__}
+    params = {io.PARAM_STREAMING: "true" if config.streaming else "false", io.PARAM_VERSION: __version__,
+              io.PARAM_SPECULATION: config.speculation}
     if config.engine is not None:
         params[io.PARAM_ENGINE] = str(config.engine.resolve())
         params[io.PARAM_BACKEND] = config.backend
@@ -239,6 +244,9 @@ def check_model_config(path: Path):
         problems.append(f"parameter `{io.PARAM_STREAMING}` is {streaming!r}, expected 'true' or 'false'")
     elif cfg.model_transaction_policy.decoupled != (streaming == "true"):
         problems.append(f"decoupled is {cfg.model_transaction_policy.decoupled} but streaming is {streaming}")
+    speculation = params.get(io.PARAM_SPECULATION, "auto")
+    if speculation not in ("auto", "static"):
+        problems.append(f"parameter `{io.PARAM_SPECULATION}` is {speculation!r}, expected 'auto' or 'static'")
     for kind, found, expected in (("input", cfg.input, io.INPUTS), ("output", cfg.output, io.OUTPUTS)):
         got = {(t.name, model_config_pb2.DataType.Name(t.data_type), tuple(t.dims)) for t in found}
         want = {(t.name, t.data_type, t.dims) for t in expected}

@@ -16,6 +16,7 @@ import pytest
 NON_STREAMING = "dflash"
 STREAMING = "dflash_stream"
 FROM_ENGINE = "dflash_engine"
+ADAPTIVE = "dflash_auto"  # the export default, `--speculation auto`; the others are static so stats compare exactly
 READY_TIMEOUT_S = 90.0
 
 
@@ -63,8 +64,9 @@ def stories_engine(tmp_path_factory: pytest.TempPathFactory, stories_pair) -> Pa
 
 @pytest.fixture(scope="session")
 def triton_repo(tmp_path_factory: pytest.TempPathFactory, stories_pair, stories_engine) -> Path:
-    """A repository with the plain and streaming variants (checkpoints) and one engine-backed model, written
-    through the real CLI."""
+    """A repository with the plain and streaming variants (checkpoints), one engine-backed model (all three
+    with static speculation, so their stats equal a static Session's) and one with the default adaptive
+    policy, written through the real CLI."""
     from click.testing import CliRunner
 
     from dflash_trt.cli import main
@@ -72,8 +74,10 @@ def triton_repo(tmp_path_factory: pytest.TempPathFactory, stories_pair, stories_
     repo = tmp_path_factory.mktemp("model_repository")
     target, draft = stories_pair
     checkpoints = ["--target", str(target), "--draft", str(draft)]
-    for name, extra in ((NON_STREAMING, checkpoints), (STREAMING, [*checkpoints, "--streaming"]),
-                        (FROM_ENGINE, ["--engine", str(stories_engine), "--backend", "torch"])):
+    static = ["--speculation", "static"]
+    for name, extra in ((NON_STREAMING, [*checkpoints, *static]), (STREAMING, [*checkpoints, "--streaming", *static]),
+                        (FROM_ENGINE, ["--engine", str(stories_engine), "--backend", "torch", *static]),
+                        (ADAPTIVE, checkpoints)):
         result = CliRunner().invoke(main, ["triton", "export", "--repo", str(repo), "--name", name, *extra])
         assert result.exit_code == 0, result.output
     return repo

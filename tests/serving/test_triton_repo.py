@@ -72,6 +72,20 @@ def test_default_source_is_the_embedded_pair(tmp_path):
     settings = io.ModelSettings.from_model_config({"name": cfg.name, "parameters": {
         k: {"string_value": v.string_value} for k, v in cfg.parameters.items()}})
     assert settings.engine_dir is None and settings.target is None and settings.draft is None
+    assert settings.speculation == "auto"  # a batched server should never lose to plain decoding
+
+
+def test_speculation_policy_is_exported_read_back_and_checked(tmp_path):
+    result = export(tmp_path, "--speculation", "static", "--name", "s")
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "repo" / "s" / "config.pbtxt"
+    cfg = check_model_config(path)
+    settings = io.ModelSettings.from_model_config({"name": cfg.name, "parameters": {
+        k: {"string_value": v.string_value} for k, v in cfg.parameters.items()}})
+    assert settings.speculation == "static"
+    path.write_text(path.read_text().replace('string_value: "static"', 'string_value: "fast"'))
+    with pytest.raises(ServingError, match="`speculation` is 'fast', expected 'auto' or 'static'"):
+        check_model_config(path)
 
 
 def test_existing_model_folder_needs_force(tmp_path):
@@ -129,8 +143,7 @@ def test_template_is_thin_and_holds_no_algorithm_code():
     tree = ast.parse(source)
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported == {"json", "triton_python_backend_utils", "dflash_trt.serving", "dflash_trt.serving.metrics",
-                        "dflash_trt.runtime.session"}
+    assert imported == {"json", "triton_python_backend_utils", "dflash_trt.serving", "dflash_trt.serving.metrics"}
     model = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TritonPythonModel")
     methods = {n.name for n in model.body if isinstance(n, ast.FunctionDef)}
     assert {"initialize", "execute", "finalize"} <= methods

@@ -16,7 +16,7 @@ import pytest
 
 from dflash_trt.config import SamplingParams
 
-from .conftest import FROM_ENGINE, NON_STREAMING, STREAMING
+from .conftest import ADAPTIVE, FROM_ENGINE, NON_STREAMING, STREAMING
 
 TIMEOUT_S = 60
 PROMPTS = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were", "The sun was"]
@@ -96,6 +96,19 @@ def test_engine_backed_model_loads_with_session_load_and_equals_session_generate
     status, answer = generate(triton_server, {"text_input": PROMPTS[0], "max_tokens": 24}, model=FROM_ENGINE)
     assert status == 200, answer
     assert_matches(answer, expected(reference_session, PROMPTS[0], max_new_tokens=24))
+
+
+def test_adaptive_model_is_lossless_and_reports_its_own_speculation(triton_server, reference_session):
+    """The default export serves `auto` speculation: other draft lengths than the static reference, same tokens."""
+    prompt = PROMPTS[1]
+    status, answer = generate(triton_server, {"text_input": prompt, "max_tokens": 40}, model=ADAPTIVE)
+    assert status == 200, answer
+    reference = expected(reference_session, prompt, max_new_tokens=40)
+    assert answer["text_output"] == reference.text and as_list(answer["output_ids"]) == reference.token_ids
+    assert answer["num_accepted_draft_tokens"] <= answer["num_draft_tokens"]
+    assert answer["acceptance_length"] >= 1.0
+    with urllib.request.urlopen(f"{triton_server.http_url}/v2/models/{ADAPTIVE}/config", timeout=10) as response:
+        assert json.loads(response.read())["parameters"]["speculation"]["string_value"] == "auto"
 
 
 def test_sampled_request_equals_session_generate_with_the_same_seed(triton_server, reference_session):

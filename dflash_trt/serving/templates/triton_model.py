@@ -14,13 +14,10 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
-        from dflash_trt.runtime.session import Session  # torch loads here, not when Triton only reads the config
-
         s = self.settings = io.ModelSettings.from_model_config(json.loads(args["model_config"]))
         if s.policy_problem():
             raise pb_utils.TritonModelException(s.policy_problem())
-        self.session = (Session.load(s.engine_dir, s.backend, max_batch=s.max_batch) if s.engine_dir
-                        else Session.from_checkpoints(s.target, s.draft, max_batch=s.max_batch))
+        self.session = io.open_session(s)  # torch loads here, not when Triton only reads the config
         self.parser = io.RequestParser(self.session)
         self.metrics = TritonSpecMetrics(pb_utils, {"model": s.name, "version": args["model_version"]})
 
