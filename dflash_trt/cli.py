@@ -53,6 +53,7 @@ Examples:
   dflash-trt run --prompt "Once upon a time"
   dflash-trt run --prompt "Once upon a time" --max-new-tokens 200 --json
   dflash-trt run --prompt "Once upon a time" --no-draft --json
+  dflash-trt run --prompt "Once upon a time" --speculation auto --json
   dflash-trt run --target ./Qwen3-0.6B --draft ./Qwen3-0.6B-DFlash --prompt "Hello" --block-len 8
   dflash-trt run --prompt-ids 1,403,407 --temperature 0.8 --top-p 0.9 --seed 7
   dflash-trt run --engine engines/stories260K-ort --prompt "Once upon a time" --json
@@ -81,14 +82,18 @@ Examples:
 @click.option("--stop-token-ids", help="Comma-separated ids that end generation (default: the target's EOS; "
               "empty string = none).")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding through the same loop.")
+@click.option("--speculation", type=click.Choice(["static", "auto"]), default="static", show_default=True,
+              help="static: always draft block_len - 1; auto: the cost-model policy (0 = plain where drafting "
+                   "loses).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="torch backend device: cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--stream", is_flag=True, help="Print text as each cycle is verified.")
 def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, block_len,
-        proposal, stop_token_ids, no_draft, dtype, device, as_json, stream) -> None:
+        proposal, stop_token_ids, no_draft, speculation, dtype, device, as_json, stream) -> None:
     """Generate from a target with its DFlash drafter (or without, --no-draft)."""
     from dflash_trt.config import SamplingParams
+    from dflash_trt.runtime.policy import SpeculationConfig
     from dflash_trt.runtime.session import Session
 
     if (prompt is None) == (prompt_ids is None):
@@ -102,9 +107,10 @@ def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temp
         if target is not None or draft is not None:
             raise RequestError("--engine already holds the target and drafter; expected no --target/--draft with it. "
                                "Fix: drop --target/--draft.")
-        session = Session.load(engine, backend)
+        session = Session.load(engine, backend, speculation=SpeculationConfig(mode=speculation))
     else:
-        session = Session.from_checkpoints(target, draft, dtype=dtype, use_draft=not no_draft, device=device)
+        session = Session.from_checkpoints(target, draft, dtype=dtype, use_draft=not no_draft, device=device,
+                                           speculation=SpeculationConfig(mode=speculation))
     request = prompt if prompt is not None else list(_parse_ids(prompt_ids, "--prompt-ids"))
     if stream and not as_json:
         for chunk in session.stream(request, params):

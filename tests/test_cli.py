@@ -45,6 +45,9 @@ def test_run_json_speculative_equals_no_draft_token_for_token():
                 "tokens_per_s", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert key in stats
     assert set(plain["stats"]["acceptance_lengths"]) == {1}
+    auto = run_json("--prompt", "Once upon a time", "--max-new-tokens", "200", "--speculation", "auto")
+    assert auto["token_ids"] == plain["token_ids"]
+    assert set(auto["stats"]["draft_lens_used"]) <= {str(k) for k in range(16)}
 
 
 def test_run_prompt_ids_reproduces_the_published_llama2c_sample():
