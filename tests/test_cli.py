@@ -76,3 +76,13 @@ def test_bad_input_is_one_line_with_the_fix_and_exit_code_2(tmp_path, capsys, mo
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--prompt-ids" in err and "Fix:" in err
+
+
+def test_the_shipped_block_8_drafter_pairs_with_the_target_and_is_lossless():
+    drafter = embedded_draft_path().parent / "stories260K-dflash-b8"
+    spec = run_json("--draft", str(drafter), "--target", str(embedded_target_path()), "--prompt", "Once upon a time",
+                    "--max-new-tokens", "64")
+    plain = run_json("--prompt", "Once upon a time", "--max-new-tokens", "64", "--no-draft")
+    assert spec["token_ids"] == plain["token_ids"]
+    assert max(spec["stats"]["acceptance_lengths"]) <= 8  # block 8: at most 7 drafts + the bonus
+    assert spec["stats"]["mean_acceptance_length"] > 2
