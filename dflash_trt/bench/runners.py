@@ -1,12 +1,12 @@
 """Things the benchmark can time on one request: our runtime (drafting on or off) and the peers.
 
-Every runner returns the same ``Timing``: when each chunk of tokens arrived, measured here in the
-harness (never inside the decode loop), so all modes are timed the same way.
+Every runner returns the same ``Timing``: when each chunk of tokens arrived (for our runtime, when the
+worker handed the cycle over; for the peers, when their call returned), never timed inside the decode
+loop, so all modes are timed the same way.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -52,17 +52,27 @@ class Runner(Protocol):
 
 
 class SessionRunner:
-    """Our runtime; ``block_len=1`` is plain decoding through the same loop (the A/B baseline)."""
+    """Our runtime; ``block_len=1`` is plain decoding through the same loop (the A/B baseline).
+
+    A wave is submitted from one thread and read back handle by handle, each chunk timed by when the
+    worker handed it over (``StreamChunk.arrived_at``): no client thread per request competes with the
+    worker for the interpreter, so concurrency 64 measures the runtime, not 64 Python clients."""
 
     def __init__(self, session: Session, name: str, block_len: int) -> None:
         self.session, self.name, self.block_len = session, name, block_len
 
     def __call__(self, prompt_ids: Sequence[int], params: SamplingParams, submitted_at: float) -> Timing:
-        params = params.model_copy(update={"block_len": self.block_len})
-        stats = SpecStats()
-        timing = Timing([], [], [], stats, submitted_at)
-        for chunk in self.session.stream(list(prompt_ids), params, stats):
-            timing.chunk_times_s.append(time.perf_counter() - submitted_at)
-            timing.chunk_sizes.append(len(chunk.token_ids))
-            timing.token_ids += chunk.token_ids
-        return timing
+        return self.run_wave([(prompt_ids, params)], submitted_at)[0]
+
+    def run_wave(self, wave: Sequence[tuple[Sequence[int], SamplingParams]], submitted_at: float) -> list[Timing]:
+        handles = [self.session.submit(list(ids), params.model_copy(update={"block_len": self.block_len}))
+                   for ids, params in wave]
+        timings = []
+        for handle in handles:
+            timing = Timing([], [], [], handle.stats, submitted_at)
+            for chunk in handle:
+                timing.chunk_times_s.append(chunk.arrived_at - submitted_at)
+                timing.chunk_sizes.append(len(chunk.token_ids))
+                timing.token_ids += chunk.token_ids
+            timings.append(timing)
+        return timings

@@ -40,6 +40,7 @@ class StreamChunk:
     text: str
     finished: bool
     finish_reason: FinishReason | None = None
+    arrived_at: float = 0.0  # time.perf_counter() when the worker handed the cycle over (not when it was read)
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ class RequestHandle:
                     raise item
                 if item is None:
                     self.finish_reason = "cancelled"
-                    yield StreamChunk([], "", True, "cancelled")
+                    yield StreamChunk([], "", True, "cancelled", arrived)
                     return
                 yield self._chunk(arrived, item)
 
@@ -294,7 +295,7 @@ class RequestHandle:
         delta = self._text_delta(cycle.finished)
         if cycle.finished:
             self.finish_reason = "stop" if cycle.stopped else "length"
-        return StreamChunk(cycle.tokens, delta, cycle.finished, self.finish_reason)
+        return StreamChunk(cycle.tokens, delta, cycle.finished, self.finish_reason, arrived)
 
     def _text_delta(self, final: bool) -> str:
         """New text since the last chunk, decoding only a small window (O(chunk), not O(output)).

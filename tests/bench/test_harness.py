@@ -22,6 +22,9 @@ class RecordingRunner:
         self.log.append((self.name, prompt_ids[0], params.max_new_tokens))
         return Timing(list(prompt_ids), [0.001], [len(prompt_ids)])
 
+    def run_wave(self, wave, submitted_at: float) -> list[Timing]:
+        return [self(ids, params, submitted_at) for ids, params in wave]
+
 
 def test_each_cell_warms_up_then_alternates_the_mode_order_wave_by_wave_over_the_repeats():
     log: list[tuple[str, int, int]] = []

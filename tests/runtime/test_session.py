@@ -133,6 +133,18 @@ def test_streaming_chunks_concatenate_to_the_generate_output(session, block_len,
     assert len(result.token_ids) == 24
 
 
+def test_chunks_carry_when_the_worker_handed_them_over_not_when_they_were_read(session):
+    import time
+
+    submitted = time.perf_counter()
+    handle = session.submit(PROMPT, SamplingParams(max_new_tokens=8, stop_token_ids=()))
+    time.sleep(0.5)  # the tiny request is done long before anyone reads it
+    read_at = time.perf_counter()
+    arrivals = [chunk.arrived_at for chunk in handle]
+    assert len(arrivals) >= 2 and arrivals == sorted(arrivals)
+    assert submitted < arrivals[0] and arrivals[-1] < read_at
+
+
 @pytest.mark.parametrize("block_len", BLOCK_LENS)
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_one_plus_acceptance_lengths_equals_new_tokens(session, block_len, sampling):
