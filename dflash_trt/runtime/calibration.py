@@ -47,11 +47,11 @@ def calibrate(backend: BatchedBackend, costs: CostModel, has_drafter: bool, bloc
     for batch in _grid(backend.max_batch):
         for width in _grid(max(block_len, 1)):
             rows = [TargetRow(slot, [0] * width, 0) for slot in range(batch)]
-            costs.record("verify", batch, width, _timed(lambda: backend.target_batch(rows, has_drafter)))
+            costs.record("verify", batch, width, _timed(lambda: backend.target_batch(rows, has_drafter)), anchor=True)
             if has_drafter and width > 1:
                 drafts = [DraftRow(slot, [0] * width, torch.zeros(context, taps_width, device=device), context)
                           for slot in range(batch)]
-                costs.record("draft", batch, width, _timed(lambda: backend.draft_batch(drafts)))
+                costs.record("draft", batch, width, _timed(lambda: backend.draft_batch(drafts)), anchor=True)
     for slot in range(backend.max_batch):
         backend.reset_slot(slot)
     return costs

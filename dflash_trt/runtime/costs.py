@@ -26,6 +26,9 @@ class CostModel:
         # grows with the batch, so one number for all sizes would misprice batch 1 and batch 64 alike)
         self.overheads: dict[bool, dict[int, float]] = {False: {}, True: {}}
         self._samples: dict[tuple, deque[float]] = {}
+        # lookups run several times per scheduler step, so what they search is kept sorted and small:
+        self._layout: dict[str, tuple[list[int], dict[int, list[int]]] | None] = {"verify": None, "draft": None}
+        self._anchors: dict[str, list[tuple[int, int]]] = {"verify": [], "draft": []}  # the calibration grid
 
     def record_overhead(self, drafting: bool, batch: int, seconds: float) -> None:
         self._update(self.overheads[drafting], ("overhead", drafting, batch), batch, seconds)
@@ -54,8 +57,14 @@ class CostModel:
             return self.verify(batch, 1) + self.overhead(False, batch)
         return self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1) + self.overhead(True, batch)
 
-    def record(self, kind: str, batch: int, width: int, seconds: float) -> None:
-        self._update(self.table[kind], (kind, batch, width), (batch, width), seconds)
+    def record(self, kind: str, batch: int, width: int, seconds: float, anchor: bool = False) -> None:
+        """One measured forward. ``anchor``: a calibration grid point, one the monotone envelope checks."""
+        key = (batch, width)
+        if key not in self.table[kind]:
+            self._layout[kind] = None
+        if anchor and key not in self._anchors[kind]:
+            self._anchors[kind].append(key)
+        self._update(self.table[kind], (kind, batch, width), key, seconds)
 
     def verify(self, batch: int, width: int) -> float:
         return self._lookup("verify", batch, width)
@@ -75,21 +84,29 @@ class CostModel:
 
     def _lookup(self, kind: str, batch: int, width: int) -> float:
         """Interpolated cost, bounded by the monotone envelope: a forward with fewer rows or fewer tokens per
-        row is never predicted slower than a measured larger one (one noisy measurement cannot make plain
+        row is never predicted slower than a larger calibration point (one noisy measurement cannot make plain
         decoding look expensive and lock the policy into drafting)."""
         table = self.table[kind]
         if not table:
             raise LookupError(f"no {kind} costs measured yet; calibrate first")
-        batches = sorted({b for b, _ in table})
-        estimate = (table[(batch, width)] if (batch, width) in table
-                    else _interpolate(batches, batch, lambda b: self._at_batch(table, b, width)))
-        larger = [t for (b, w), t in table.items() if b >= batch and w >= width]
+        if (batch, width) in table:
+            estimate = table[(batch, width)]
+        else:
+            batches, widths = self._sorted_keys(kind)
+            estimate = _interpolate(batches, batch,
+                                    lambda b: _interpolate(widths[b], width, lambda w: table[(b, w)]))
+        larger = [table[key] for key in (self._anchors[kind] or table) if key[0] >= batch and key[1] >= width]
         return min([estimate, *larger])
 
-    @staticmethod
-    def _at_batch(table: dict[tuple[int, int], float], batch: int, width: int) -> float:
-        widths = sorted(w for b, w in table if b == batch)
-        return _interpolate(widths, width, lambda w: table[(batch, w)])
+    def _sorted_keys(self, kind: str) -> tuple[list[int], dict[int, list[int]]]:
+        """Measured batch sizes, and the widths measured at each, sorted (rebuilt only when a key is new)."""
+        layout = self._layout[kind]
+        if layout is None:
+            widths: dict[int, list[int]] = {}
+            for b, w in self.table[kind]:
+                widths.setdefault(b, []).append(w)
+            layout = self._layout[kind] = (sorted(widths), {b: sorted(ws) for b, ws in widths.items()})
+        return layout
 
 
 def _interpolate(points: list[int], x: int, value) -> float:
