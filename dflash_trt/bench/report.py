@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.bench.datasets import PromptSet
-from dflash_trt.bench.harness import AR, DFLASH, DFLASH_AUTO, BenchConfig, CellResult, cell_summary
+from dflash_trt.bench.harness import AR, BASELINE, DFLASH, DFLASH_AUTO, BenchConfig, CellResult, cell_summary
 
 _PACKAGES = ("dflash-trt", "torch", "numpy", "transformers", "dflash", "onnxruntime", "tensorrt", "tensorrt_llm")
 
@@ -109,19 +109,21 @@ def render_markdown(report: dict[str, Any]) -> str:
         "(A B, B A, ...)",
         f"- peak RSS {report['peak_rss_mb']:.0f} MB",
         "",
-        "Speed-up = DFlash output tokens/s ÷ plain decoding output tokens/s, same session, same requests "
-        "(throughput over the waves, prefill included). TPOT speed-up = median TPOT ratio (the z-lab definition).",
+        "Speed-up = a mode's output tokens/s ÷ plain decoding's on the same requests in the same session (`ar` for "
+        "`dflash` and the peers; `ar_auto`, plain decoding in the adaptive session, for `dflash_auto`; the `ar_auto` "
+        "row itself shows how much two sessions of one process differ), throughput over the waves from submission "
+        "to the last token, prefill included. TPOT speed-up = median TPOT ratio (the z-lab definition).",
         "",
         "| dataset | T | B | conc. | mode | tok/s total | tok/s/user | TTFT p50 ms | TPOT p50 ms | ITL p50 ms | "
         "e2e p50/p95/p99 ms | τ | speed-up | TPOT speed-up | greedy = AR |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in report["cells"]:
-        ar = cell["modes"][AR]
         for name, mode in cell["modes"].items():
+            ar = cell["modes"][BASELINE.get(name, AR)]
             acceptance = mode.get("acceptance")
-            tau = f"{acceptance['mean_acceptance_length']:.2f}" if acceptance and name != AR else "1.00" \
-                if name == AR else "–"
+            plain = name in (AR, BASELINE[DFLASH_AUTO])
+            tau = "1.00" if plain else f"{acceptance['mean_acceptance_length']:.2f}" if acceptance else "–"
             speedup = mode["output_tokens_per_s"] / ar["output_tokens_per_s"] if ar["output_tokens_per_s"] else 0
             tpot_speedup = ar["tpot_s"]["p50"] / mode["tpot_s"]["p50"] if mode["tpot_s"]["p50"] else 0
             same = cell.get("identical_to_ar", {}).get(name)
