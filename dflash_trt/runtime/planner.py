@@ -13,10 +13,13 @@ estimates"; this module keeps the per-request memory around it and decides, each
    for good. ``auto_length`` picks the shared length, 0 unless predicted > (1 + MARGIN) x plain.
 3. **Explore.** When that says plain decoding, requests that never drafted draft their full block once,
    if an explorer better than the prior (each α halfway to 1, or optimistic while the prior has few
-   cycles) would make drafting pay at this batch, paid from an *exploration credit*: every step adds ``EXPLORE_BUDGET`` x its plain-decoding cost, and
-   an exploration step spends its net predicted cost (step time minus the plain time of the tokens the
-   prior expects it to yield). So exploration never costs more than ``EXPLORE_BUDGET`` of the time served,
-   yet a session whose prior went bad keeps sampling new requests and recovers when the workload changes.
+   cycles) would make drafting pay at this batch, paid from an *exploration credit*: every step adds
+   ``EXPLORE_BUDGET`` x its plain-decoding cost; an exploration goes ahead when the credit covers its
+   expected net cost (step time minus the plain time of the tokens the prior expects), and is charged
+   what it really cost: its measured step time minus a plain step, less the plain time of the drafts
+   that were accepted. So exploration never costs more than ``EXPLORE_BUDGET`` of the time served (plus
+   the starting bank and one overdraft), yet a session whose prior went bad keeps sampling new requests
+   and recovers when the workload changes.
 4. **Retire.** When the plan is plain decoding and even the prior says plain for this batch, the requests
    stop drafting for good: reverting to the prior could not bring them back, and the verify forwards stop
    computing context taps for them (on a CPU at batch 16 those cost ~10% of a step).
@@ -72,6 +75,7 @@ class Plan:
     lengths: list[int]
     reason: str  # "plain" | "hopeless" | "exploit" | "explore"
     plain_step_s: float = 0.0  # predicted seconds of a plain step of this batch
+    step_s: float = 0.0  # predicted seconds of this plan's step (set for explorations)
     rates: dict[int, float] = field(default_factory=dict)  # predicted tokens/s per shared length
 
 
@@ -91,13 +95,18 @@ class AutoPlanner:
 
     def observed(self, drafted: int, accepted: int) -> None:
         """A cycle of this step finished. One that drafted changes the acceptance data, so the next step
-        re-plans; an exploring one refunds the plain time of the drafts it got accepted (an exploration is
-        charged as if nothing were accepted, so the credit tracks what exploring really cost)."""
+        re-plans; an exploring one refunds the plain time of the drafts it got accepted."""
         if drafted:
             self._dirty = True
         plan = self._cached
         if plan is not None and plan.reason == "explore" and accepted:
             self.credit_s += plan.plain_step_s * accepted / len(plan.lengths)
+
+    def step_took(self, seconds: float) -> None:
+        """The step just run took ``seconds``: an exploration is charged what its prediction missed."""
+        plan = self._cached
+        if plan is not None and plan.reason == "explore":
+            self.credit_s -= seconds - plan.step_s
 
     def plan(self, requests: list[RequestMemory]) -> Plan:
         """This step's draft length per request."""
@@ -129,14 +138,15 @@ class AutoPlanner:
         alphas = [r.tracker.conditional(prior, PRIOR_WEIGHT * 2 ** (r.idle_steps / REVERT_STEPS)) for r in requests]
         length, rates = auto_length(self.costs, alphas, wanted)
         if length:
-            return Plan([min(length, w) for w in wanted], "exploit", plain_step, rates)
+            return Plan([min(length, w) for w in wanted], "exploit", plain_step, rates=rates)
         explored = self._explore(requests, wanted, prior, plain_step)
         if explored is not None:
-            return Plan(explored, "explore", plain_step, rates)
+            lengths, step = explored
+            return Plan(lengths, "explore", plain_step, step, rates)
         if auto_length(self.costs, [prior] * batch, wanted)[0] == 0:  # even the prior says plain here
             for i in live:
                 requests[i].retired = True
-        return Plan([0] * batch, "plain", plain_step, rates)
+        return Plan([0] * batch, "plain", plain_step, rates=rates)
 
     def _could_gain(self, batch: int, drafting: int, longest: int) -> bool:
         """Would any length beat plain decoding at this batch if every draft were accepted?"""
@@ -145,8 +155,9 @@ class AutoPlanner:
                    for k in self.costs.draft_len_candidates(longest) if k)
 
     def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float],
-                 plain_step: float) -> list[int] | None:
-        """Full-block drafts for the never-drafted requests if the credit pays for them, else None."""
+                 plain_step: float) -> tuple[list[int], float] | None:
+        """Full-block drafts for the never-drafted requests if the credit pays for them, and the predicted
+        step time; else None."""
         explorers = [i for i, r in enumerate(requests) if wanted[i] and not r.explored]
         if not explorers:
             return None
@@ -163,9 +174,9 @@ class AutoPlanner:
         self.credit_cap_s = CREDIT_CAP_EXPLORATIONS * max(step - plain_step, 0.0) or float("inf")
         if net_cost > self.credit_s:
             return None
-        self.credit_s -= step - plain_step  # charged in full; ``observed`` refunds what was accepted
+        self.credit_s -= step - plain_step  # as predicted; ``step_took`` and ``observed`` settle the rest
         chosen = set(explorers)
-        return [wanted[i] if i in chosen else 0 for i in range(batch)]
+        return [wanted[i] if i in chosen else 0 for i in range(batch)], step
 
     def _hopeful(self, prior: list[float]) -> list[float]:
         """Per position, the better of: halfway from the prior's α to 1 (a request better than average), and

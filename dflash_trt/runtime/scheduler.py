@@ -155,7 +155,10 @@ class Scheduler:
             entry.sink(cycle)
             if entry.state.finished:
                 self._release(entry)
-        self.costs.record_overhead(bool(drafting), len(batch), time.perf_counter() - step_began - forwards)
+        took = time.perf_counter() - step_began
+        self.costs.record_overhead(bool(drafting), len(batch), took - forwards)
+        if self.speculation.mode == "auto":
+            self.planner.step_took(took)
 
     def _release(self, entry: _Active) -> None:
         if entry in self.active:
