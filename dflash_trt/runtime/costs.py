@@ -50,12 +50,15 @@ class CostModel:
             return next(iter(table.values()), 0.0)
         return table[batch] if batch in table else _interpolate(sorted(table), batch, table.__getitem__)
 
-    def step(self, batch: int, drafting: int, draft_len: int) -> float:
+    def step(self, batch: int, drafting: int, draft_len: int, context: int = 0) -> float:
         """Predicted seconds of one step: verify of ``draft_len + 1`` tokens per row, a draft call for
-        ``drafting`` rows when ``draft_len > 0``, and the step's own overhead."""
+        ``drafting`` rows when ``draft_len > 0``, and the step's own overhead. ``context``: the most context
+        taps a drafting row still has to take in (a whole prompt on its first draft), priced like block
+        tokens, which over-states them (they skip the MLPs): a conservative estimate."""
         if draft_len == 0:
             return self.verify(batch, 1) + self.overhead(False, batch)
-        return self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1) + self.overhead(True, batch)
+        return (self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1 + context)
+                + self.overhead(True, batch))
 
     def record(self, kind: str, batch: int, width: int, seconds: float, anchor: bool = False) -> None:
         """One measured forward. ``anchor``: a calibration grid point, one the monotone envelope checks."""

@@ -54,8 +54,9 @@ class StaticKVCache:
             if list(start.slots) == list(range(len(start.slots))):
                 batch = len(start.slots)
                 return self.keys[layer, :batch, :, :start.key_len], self.values[layer, :batch, :, :start.key_len]
-            return (self.keys[layer].index_select(0, slots)[:, :, :start.key_len],
-                    self.values[layer].index_select(0, slots)[:, :, :start.key_len])
+            # cut to key_len before gathering: copy what the rows read, not the whole max_len buffer
+            return (self.keys[layer, :, :, :start.key_len].index_select(0, slots),
+                    self.values[layer, :, :, :start.key_len].index_select(0, slots))
         batch, tokens = keys.shape[0], keys.shape[2]
         end = start + tokens
         self.keys[layer, :batch, :, start:end] = keys

@@ -59,6 +59,11 @@ class RequestState:
     def uses_drafter(self) -> bool:
         return self.block_len > 1
 
+    @property
+    def pending_context(self) -> int:
+        """Committed positions whose taps the draft cache has not taken in yet."""
+        return sum(taps.shape[0] for taps in self.pending)
+
     def stop_drafting(self) -> None:
         """Plain decoding from now on: no draft calls, no context taps to keep (the output is unchanged)."""
         self.block_len, self.pending = 1, []

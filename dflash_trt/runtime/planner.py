@@ -62,6 +62,7 @@ class RequestMemory:
     tracker: AcceptanceTracker
     idle_steps: int = 0  # consecutive steps without drafting
     retired: bool = False  # set by the planner: the request stops drafting for good
+    context: int = 0  # context taps its next draft must take in (set by the scheduler each step)
 
     @property
     def explored(self) -> bool:
@@ -128,7 +129,8 @@ class AutoPlanner:
         if not live:
             return Plan([0] * batch, "plain", plain_step)
         longest = max(requests[i].wanted for i in live)
-        if not self._could_gain(batch, len(live), longest):
+        context = max(requests[i].context for i in live)
+        if not self._could_gain(batch, len(live), longest, context):
             for i in live:
                 requests[i].retired = True
             return Plan([0] * batch, "hopeless", plain_step)
@@ -136,22 +138,22 @@ class AutoPlanner:
         drafting = set(live)
         wanted = [r.wanted if i in drafting else 0 for i, r in enumerate(requests)]
         alphas = [r.tracker.conditional(prior, PRIOR_WEIGHT * 2 ** (r.idle_steps / REVERT_STEPS)) for r in requests]
-        length, rates = auto_length(self.costs, alphas, wanted)
+        length, rates = auto_length(self.costs, alphas, wanted, context)
         if length:
             return Plan([min(length, w) for w in wanted], "exploit", plain_step, rates=rates)
         explored = self._explore(requests, wanted, prior, plain_step)
         if explored is not None:
             lengths, step = explored
             return Plan(lengths, "explore", plain_step, step, rates)
-        if auto_length(self.costs, [prior] * batch, wanted)[0] == 0:  # even the prior says plain here
+        if auto_length(self.costs, [prior] * batch, wanted, context)[0] == 0:  # even the prior says plain here
             for i in live:
                 requests[i].retired = True
         return Plan([0] * batch, "plain", plain_step, rates=rates)
 
-    def _could_gain(self, batch: int, drafting: int, longest: int) -> bool:
+    def _could_gain(self, batch: int, drafting: int, longest: int, context: int) -> bool:
         """Would any length beat plain decoding at this batch if every draft were accepted?"""
         plain = batch / self.costs.step(batch, 0, 0)
-        return any((batch + drafting * k) / self.costs.step(batch, drafting, k) > (1 + MARGIN) * plain
+        return any((batch + drafting * k) / self.costs.step(batch, drafting, k, context) > (1 + MARGIN) * plain
                    for k in self.costs.draft_len_candidates(longest) if k)
 
     def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float],
@@ -163,7 +165,7 @@ class AutoPlanner:
             return None
         batch = len(requests)
         longest = max(wanted[i] for i in explorers)
-        step = self.costs.step(batch, len(explorers), longest)
+        step = self.costs.step(batch, len(explorers), longest, max(requests[i].context for i in explorers))
         # worth measuring only if an explorer that beats the prior would pay here
         hopeful = self._hopeful(prior)
         best_case = batch + sum(expected_tokens(hopeful, wanted[i]) - 1 for i in explorers)

@@ -125,10 +125,12 @@ def static_lengths(config: SpeculationConfig, wanted: list[int], rates: list[flo
     return lengths
 
 
-def auto_length(costs: CostModel, alphas: list[list[float]], wanted: list[int]) -> tuple[int, dict[int, float]]:
+def auto_length(costs: CostModel, alphas: list[list[float]], wanted: list[int],
+                context: int = 0) -> tuple[int, dict[int, float]]:
     """The draft length (shared by the batch) with the highest predicted tokens/s, and each candidate's rate.
 
-    ``wanted[i] == 0`` marks a request that does not draft (it still commits one token per step).
+    ``wanted[i] == 0`` marks a request that does not draft (it still commits one token per step);
+    ``context`` is the most pending context taps a drafting row carries (see ``CostModel.step``).
     Returns 0 unless some k > 0 is predicted faster than plain decoding by more than ``MARGIN``.
     """
     batch = len(wanted)
@@ -138,7 +140,7 @@ def auto_length(costs: CostModel, alphas: list[list[float]], wanted: list[int]) 
     tables = [_expected_table(a, w) for a, w in zip(alphas, wanted)]  # E(0..w) per request, computed once
     for k in sorted({min(k, longest) for k in costs.draft_len_candidates(longest)} - {0}):
         tokens = sum(table[min(k, len(table) - 1)] for table in tables)
-        rates[k] = tokens / costs.step(batch, drafting, k)
+        rates[k] = tokens / costs.step(batch, drafting, k, context)
     best = max(rates, key=rates.get)
     return (best, rates) if rates[best] > (1 + MARGIN) * rates[0] else (0, rates)
 

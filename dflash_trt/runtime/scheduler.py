@@ -11,6 +11,8 @@ with the error and the worker keeps serving.
 from __future__ import annotations
 
 import atexit
+import bisect
+import heapq
 import threading
 import time
 import weakref
@@ -38,7 +40,9 @@ class Scheduler:
 
     def __init__(self, backend: BatchedBackend, speculation: SpeculationConfig, costs: CostModel) -> None:
         self.backend, self.speculation, self.costs = backend, speculation, costs
-        self.free_slots = list(range(backend.max_batch))
+        # lowest free slot first, and active requests kept in slot order: a full batch then reads the KV cache
+        # as one view (slots 0..B-1), not a gather
+        self.free_slots = list(range(backend.max_batch))  # a min-heap
         self.queue: deque[tuple[Callable[[int], RequestState], Sink, threading.Event]] = deque()
         self.active: list[_Active] = []
         self.prior = AcceptanceTracker(256, 64)  # the session's acceptance: every request's starting estimate
@@ -88,7 +92,7 @@ class Scheduler:
             if cancelled.is_set():
                 sink(None)
                 continue
-            slot = self.free_slots.pop()
+            slot = heapq.heappop(self.free_slots)
             try:
                 state = make_state(slot)
                 self.backend.reset_slot(slot)
@@ -96,17 +100,19 @@ class Scheduler:
                 entry = _Active(state, sink, cancelled, self.speculation.acceptance_window)
                 sink(state.finish_prefill(logits, taps))
             except BaseException as error:  # noqa: BLE001 - delivered to the request, the worker survives
-                self.free_slots.append(slot)
+                heapq.heappush(self.free_slots, slot)
                 sink(error)
                 continue
             if state.finished:
-                self.free_slots.append(slot)
+                heapq.heappush(self.free_slots, slot)
             else:
-                self.active.append(entry)
+                bisect.insort(self.active, entry, key=lambda e: e.state.slot)
 
     def draft_lengths(self) -> list[int]:
         """This step's draft length per active request (0 = plain decoding)."""
         if self.speculation.mode == "auto":
+            for entry in self.active:
+                entry.memory.context = entry.state.pending_context
             plan = self.planner.plan([a.memory for a in self.active])
             for entry in self.active:
                 if entry.memory.retired and entry.state.uses_drafter:
@@ -163,7 +169,7 @@ class Scheduler:
     def _release(self, entry: _Active) -> None:
         if entry in self.active:
             self.active.remove(entry)
-            self.free_slots.append(entry.state.slot)
+            heapq.heappush(self.free_slots, entry.state.slot)
 
 
 def _close_at_exit(scheduler_ref: weakref.ref) -> None:
