@@ -138,14 +138,15 @@ class AutoPlanner:
         drafting = set(live)
         wanted = [r.wanted if i in drafting else 0 for i, r in enumerate(requests)]
         alphas = [r.tracker.conditional(prior, PRIOR_WEIGHT * 2 ** (r.idle_steps / REVERT_STEPS)) for r in requests]
-        length, rates = auto_length(self.costs, alphas, wanted, context)
+        # steady-state rates: taking in the pending context is a one-off, not a cost of every drafting step
+        length, rates = auto_length(self.costs, alphas, wanted)
         if length:
             return Plan([min(length, w) for w in wanted], "exploit", plain_step, rates=rates)
         explored = self._explore(requests, wanted, prior, plain_step)
         if explored is not None:
             lengths, step = explored
             return Plan(lengths, "explore", plain_step, step, rates)
-        if auto_length(self.costs, [prior] * batch, wanted, context)[0] == 0:  # even the prior says plain here
+        if auto_length(self.costs, [prior] * batch, wanted)[0] == 0:  # even the prior says plain here
             for i in live:
                 requests[i].retired = True
         return Plan([0] * batch, "plain", plain_step, rates=rates)
