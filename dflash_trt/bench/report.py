@@ -12,6 +12,7 @@ import os
 import platform
 import resource
 from importlib import metadata
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -229,10 +230,15 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
 
 
 def write_report(report: dict[str, Any], out: Path) -> list[Path]:
+    """report.json, report.md and, when matplotlib is installed (the ``bench`` extra), the plots."""
     out.mkdir(parents=True, exist_ok=True)
+    can_plot = find_spec("matplotlib") is not None
+    if not can_plot:
+        report["conditions"]["notes"].append("plots skipped: matplotlib is not installed (pip install "
+                                             "'dflash-trt[bench]')")
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(render_markdown(report))
-    return [out / "report.json", out / "report.md", *write_plots(report, out)]
+    return [out / "report.json", out / "report.md", *(write_plots(report, out) if can_plot else [])]
 
 
 def file_sha256(path: Path) -> str:

@@ -64,3 +64,16 @@ def test_embedded_pair_bench_is_lossless_and_reports_the_per_wave_spread(tmp_pat
     assert "2 pass(es)" in markdown
     written = write_report(report, tmp_path)
     assert {p.name for p in written} >= {"report.json", "report.md"}
+
+
+def test_without_matplotlib_the_report_is_written_and_says_the_plots_were_skipped(tmp_path, monkeypatch):
+    import dflash_trt.bench.report as report_module
+
+    session = Session.from_checkpoints()
+    config = BenchConfig(datasets=("tinystories",), num_prompts=1, concurrency=(1,), max_new_tokens=4, warmup=0,
+                         peers=False, adaptive=False)
+    report = build_report(run_benchmark(session, config), config, conditions(session, config, [], [], "test"))
+    monkeypatch.setattr(report_module, "find_spec", lambda name: None)
+    written = write_report(report, tmp_path)
+    assert [p.name for p in written] == ["report.json", "report.md"]
+    assert "pip install 'dflash-trt[bench]'" in (tmp_path / "report.md").read_text()
