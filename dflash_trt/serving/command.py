@@ -114,6 +114,8 @@ def serve_command(repo, http_port, grpc_port, metrics_port, ready_timeout, log_v
     server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port or None,
                           log_verbose=log_verbose)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, docker stop, systemd: the same clean stop as Ctrl-C
+    # a process started with SIGINT ignored (`cmd &` from a script, some supervisors) inherits that: restore Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         server.start()
         server.wait_ready(ready_timeout)
