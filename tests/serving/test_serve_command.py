@@ -24,8 +24,7 @@ from dflash_trt.config import SamplingParams
 
 from .conftest import READY_TIMEOUT_S, free_port, need_pytriton
 
-STOP_TIMEOUT_S = 90  # the CLI bounds its own stop at ~30 s (SIGINT, 20 s, SIGKILL); under the full suite on 2
-# cores it has twice taken just over 40 s to exit 0, so the bound here leaves room for a loaded machine
+STOP_TIMEOUT_S = 40  # the CLI bounds its own stop at ~30 s (SIGINT, 20 s, SIGKILL)
 
 
 def _ready(port: int) -> bool:
