@@ -28,11 +28,15 @@ def _jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def tinystories(assets: Path) -> list[dict]:
+def _valid_stories(assets: Path) -> list[str]:
+    """The 21 held-out TinyStories-valid stories."""
     text = (assets / "tinystories" / "TinyStories-valid-head21.txt").read_text(encoding="utf-8")
-    stories = [s.strip() for s in text.split("<|endoftext|>") if s.strip()]
+    return [s.strip() for s in text.split("<|endoftext|>") if s.strip()]
+
+
+def tinystories(assets: Path) -> list[dict]:
     rows = []
-    for index, story in enumerate(stories):
+    for index, story in enumerate(_valid_stories(assets)):
         first = story.split(". ")[0].rstrip(".") + "."
         rows.append({"id": f"tinystories/{index}", "category": "creative", "prompt": first})
     return rows
@@ -41,8 +45,7 @@ def tinystories(assets: Path) -> list[dict]:
 def tinystories_prefixes(assets: Path, sentences: int = 4) -> list[dict]:
     """Held-out story openings of 1..``sentences`` sentences: 4 distinct prompts per TinyStories-valid story,
     enough requests to fill concurrency 64 without repeating a prompt (still never trained on)."""
-    text = (assets / "tinystories" / "TinyStories-valid-head21.txt").read_text(encoding="utf-8")
-    stories = [" ".join(s.split()) for s in text.split("<|endoftext|>") if s.strip()]
+    stories = [" ".join(story.split()) for story in _valid_stories(assets)]
     rows = []
     for count in range(1, sentences + 1):
         for index, story in enumerate(stories):

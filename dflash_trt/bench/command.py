@@ -33,8 +33,8 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--draft", type=click.Path(exists=True, path_type=Path), help="DFlash drafter folder.")
 @click.option("--engine", type=click.Path(exists=True, path_type=Path), help="Engine folder from `dflash-trt build`.")
 @click.option("--datasets", default="tinystories,humaneval,gsm8k,mt_bench", show_default=True,
-              help="Comma-separated shipped prompt sets (tinystories, tinystories_prefixes, humaneval, mbpp, gsm8k, math500, aime24, "
-                   "mt_bench, spec_bench); empty with --prompts to run only your file.")
+              help="Comma-separated shipped prompt sets (tinystories, tinystories_prefixes, humaneval, mbpp, gsm8k, "
+                   "math500, aime24, mt_bench, spec_bench); empty with --prompts to run only your file.")
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Your own requests (.jsonl/.txt).")
 @click.option("--num-prompts", type=int, default=8, show_default=True)
 @click.option("--concurrency", default="1,4", show_default=True, help="Comma-separated concurrency levels.")

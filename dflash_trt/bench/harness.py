@@ -3,8 +3,9 @@
 For every (dataset, temperature, block length, concurrency) cell, one untimed wave per mode warms
 that batch size up; then the requests run in waves of ``concurrency`` (``repeats`` times over);
 each wave runs once per mode, and the mode order alternates (A B, B A, ...) so machine drift and
-cache warmth cancel. Per-wave speed-ups are kept so the report can show their spread (the noise). Peers (transformers ``generate``, the official ``dflash``
-reference) run the same prompts interleaved at concurrency 1. Warm-up requests are excluded.
+cache warmth cancel. Per-wave speed-ups are kept so the report can show their spread (the noise).
+Peers (transformers ``generate``, the official ``dflash`` reference) run the same prompts
+interleaved at concurrency 1. Warm-up requests are excluded.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
     summary["speedup_throughput_waves"] = _wave_spread(cell, DFLASH)
     if DFLASH_AUTO in modes:
         summary["speedup_auto"] = (modes[DFLASH_AUTO]["output_tokens_per_s"]
-                                   / modes[AR_AUTO]["output_tokens_per_s"])
+                                   / modes[BASELINE[DFLASH_AUTO]]["output_tokens_per_s"])
         summary["speedup_auto_waves"] = _wave_spread(cell, DFLASH_AUTO)
     if cell.temperature == 0:
         reference = [t.token_ids for t in cell.timings[AR]]

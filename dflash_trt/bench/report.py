@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.bench.datasets import PromptSet
-from dflash_trt.bench.harness import AR, BASELINE, DFLASH, DFLASH_AUTO, BenchConfig, CellResult, cell_summary
+from dflash_trt.bench.harness import (AR, AR_AUTO, BASELINE, DFLASH, DFLASH_AUTO, BenchConfig, CellResult,
+                                      cell_summary)
 
 _PACKAGES = ("dflash-trt", "torch", "numpy", "transformers", "dflash", "onnxruntime", "tensorrt", "tensorrt_llm")
 
@@ -105,7 +106,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{hw['cpu_count']} cores, torch threads {hw['torch_threads']}), GPU: {hw['gpu'] or 'none'}",
         f"- packages: " + ", ".join(f"{k} {v}" for k, v in conds["packages"].items()),
         f"- max_new_tokens {conds['config']['max_new_tokens']}, {conds['config']['num_prompts']} prompts per "
-        f"dataset, {conds['config'].get('repeats', 1)} pass(es) over them, seed {conds['config']['seed']}, warm-up "
+        f"dataset, {conds['config']['repeats']} pass(es) over them, seed {conds['config']['seed']}, warm-up "
         f"{conds['config']['warmup']} requests and one wave per cell excluded; modes interleaved wave by wave "
         "(A B, B A, ...)",
         f"- peak RSS {report['peak_rss_mb']:.0f} MB",
@@ -123,7 +124,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for name, mode in cell["modes"].items():
             ar = cell["modes"][BASELINE.get(name, AR)]
             acceptance = mode.get("acceptance")
-            plain = name in (AR, BASELINE[DFLASH_AUTO])
+            plain = name in (AR, AR_AUTO)
             tau = "1.00" if plain else f"{acceptance['mean_acceptance_length']:.2f}" if acceptance else "–"
             speedup = mode["output_tokens_per_s"] / ar["output_tokens_per_s"] if ar["output_tokens_per_s"] else 0
             tpot_speedup = ar["tpot_s"]["p50"] / mode["tpot_s"]["p50"] if mode["tpot_s"]["p50"] else 0

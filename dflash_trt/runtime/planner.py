@@ -30,7 +30,7 @@ Plans are reused while the batch and the acceptance data are unchanged, re-made 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length, expected_tokens
@@ -77,7 +77,6 @@ class Plan:
     reason: str  # "plain" | "hopeless" | "exploit" | "explore"
     plain_step_s: float = 0.0  # predicted seconds of a plain step of this batch
     step_s: float = 0.0  # predicted seconds of this plan's step (set for explorations)
-    rates: dict[int, float] = field(default_factory=dict)  # predicted tokens/s per shared length
 
 
 class AutoPlanner:
@@ -130,7 +129,7 @@ class AutoPlanner:
             return Plan([0] * batch, "plain", plain_step)
         longest = max(requests[i].wanted for i in live)
         context = max(requests[i].context for i in live)
-        if not self._could_gain(batch, len(live), longest, context):
+        if not self._could_gain(batch, len(live), longest, context, plain_step):
             for i in live:
                 requests[i].retired = True
             return Plan([0] * batch, "hopeless", plain_step)
@@ -138,22 +137,21 @@ class AutoPlanner:
         drafting = set(live)
         wanted = [r.wanted if i in drafting else 0 for i, r in enumerate(requests)]
         alphas = [r.tracker.conditional(prior, PRIOR_WEIGHT * 2 ** (r.idle_steps / REVERT_STEPS)) for r in requests]
-        # steady-state rates: taking in the pending context is a one-off, not a cost of every drafting step
-        length, rates = auto_length(self.costs, alphas, wanted)
+        length, _ = auto_length(self.costs, alphas, wanted)
         if length:
-            return Plan([min(length, w) for w in wanted], "exploit", plain_step, rates=rates)
+            return Plan([min(length, w) for w in wanted], "exploit", plain_step)
         explored = self._explore(requests, wanted, prior, plain_step)
         if explored is not None:
             lengths, step = explored
-            return Plan(lengths, "explore", plain_step, step, rates)
+            return Plan(lengths, "explore", plain_step, step)
         if auto_length(self.costs, [prior] * batch, wanted)[0] == 0:  # even the prior says plain here
             for i in live:
                 requests[i].retired = True
-        return Plan([0] * batch, "plain", plain_step, rates=rates)
+        return Plan([0] * batch, "plain", plain_step)
 
-    def _could_gain(self, batch: int, drafting: int, longest: int, context: int) -> bool:
+    def _could_gain(self, batch: int, drafting: int, longest: int, context: int, plain_step: float) -> bool:
         """Would any length beat plain decoding at this batch if every draft were accepted?"""
-        plain = batch / self.costs.step(batch, 0, 0)
+        plain = batch / plain_step
         return any((batch + drafting * k) / self.costs.step(batch, drafting, k, context) > (1 + MARGIN) * plain
                    for k in self.costs.draft_len_candidates(longest) if k)
 

@@ -96,11 +96,7 @@ class AcceptanceTracker:
 
 def expected_tokens(alphas: list[float], draft_len: int) -> float:
     """``E(k) = 1 + Σ_{i<=k} Π_{j<=i} α_j``: committed tokens per cycle with k drafts (bonus included)."""
-    total, survive = 1.0, 1.0
-    for alpha in alphas[:draft_len]:
-        survive *= alpha
-        total += survive
-    return total
+    return _expected_table(alphas, draft_len)[-1]
 
 
 def scheduled_length(schedule: dict[int, int], batch: int) -> int:
@@ -125,12 +121,11 @@ def static_lengths(config: SpeculationConfig, wanted: list[int], rates: list[flo
     return lengths
 
 
-def auto_length(costs: CostModel, alphas: list[list[float]], wanted: list[int],
-                context: int = 0) -> tuple[int, dict[int, float]]:
+def auto_length(costs: CostModel, alphas: list[list[float]], wanted: list[int]) -> tuple[int, dict[int, float]]:
     """The draft length (shared by the batch) with the highest predicted tokens/s, and each candidate's rate.
 
-    ``wanted[i] == 0`` marks a request that does not draft (it still commits one token per step);
-    ``context`` is the most pending context taps a drafting row carries (see ``CostModel.step``).
+    ``wanted[i] == 0`` marks a request that does not draft (it still commits one token per step). Rates are
+    steady-state: taking in a request's pending context is a one-off, priced by the planner where it matters.
     Returns 0 unless some k > 0 is predicted faster than plain decoding by more than ``MARGIN``.
     """
     batch = len(wanted)
@@ -140,13 +135,13 @@ def auto_length(costs: CostModel, alphas: list[list[float]], wanted: list[int],
     tables = [_expected_table(a, w) for a, w in zip(alphas, wanted)]  # E(0..w) per request, computed once
     for k in sorted({min(k, longest) for k in costs.draft_len_candidates(longest)} - {0}):
         tokens = sum(table[min(k, len(table) - 1)] for table in tables)
-        rates[k] = tokens / costs.step(batch, drafting, k, context)
+        rates[k] = tokens / costs.step(batch, drafting, k)
     best = max(rates, key=rates.get)
     return (best, rates) if rates[best] > (1 + MARGIN) * rates[0] else (0, rates)
 
 
 def _expected_table(alphas: list[float], longest: int) -> list[float]:
-    """``[E(0), E(1), .., E(longest)]`` of ``expected_tokens`` in one pass."""
+    """``[E(0), E(1), .., E(longest)]`` (``expected_tokens``) in one pass; shorter if ``alphas`` is."""
     table, total, survive = [1.0], 1.0, 1.0
     for alpha in alphas[:longest]:
         survive *= alpha
