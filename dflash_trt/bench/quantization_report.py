@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dflash_trt.builder.load import ModelPair
+from dflash_trt.model.pair import ModelPair
 from dflash_trt.builder.quantized_checkpoint import Activations, dequantize_into, quantize_target
 from dflash_trt.config import SamplingParams
 from dflash_trt.model.target import TargetModel

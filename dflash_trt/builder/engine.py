@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from safetensors.torch import save_file
 
 import dflash_trt
-from dflash_trt.builder.load import ModelPair, embedded_draft_path, embedded_target_path, load_pair
+from dflash_trt.builder.load import embedded_draft_path, embedded_target_path, load_pair
+from dflash_trt.model.pair import ModelPair
 from dflash_trt.builder.manifest import (
     FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, Manifest, QuantName,
     Quantization, SourceRecord, TokenizerRecord, sha256_file, tool_versions, write_manifest)

@@ -7,7 +7,6 @@ what was found, what was expected, and the fix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -19,21 +18,11 @@ from dflash_trt.builder.target_checkpoint import find_llama2c_model, load_hf_tar
 from dflash_trt.config import DraftConfig, RopeConfig, TargetConfig
 from dflash_trt.errors import CheckpointFormatError, IncompatiblePairError
 from dflash_trt.model.draft_head import DraftHead
+from dflash_trt.model.pair import ModelPair
 from dflash_trt.model.target import TargetModel
 from dflash_trt.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelPair:
-    """A target, its optional drafter and tokenizer, validated together."""
-
-    target: TargetModel
-    draft: DraftHead | None
-    tokenizer: Tokenizer | None
-    target_path: Path
-    draft_path: Path | None
 
 
 def embedded_target_path() -> Path:

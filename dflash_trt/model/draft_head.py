@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from dflash_trt.config import DraftConfig
 from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
-from dflash_trt.runtime.batch import DraftLayout
-from dflash_trt.runtime.kv_cache import StaticKVCache
+from dflash_trt.model.layouts import DraftLayout
+from dflash_trt.model.kv_cache import StaticKVCache
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

@@ -74,7 +74,7 @@ class RotaryTable(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inverse_frequencies(rope, head_dim)
-        # one extra row: the KV cache's pad position (runtime/batch.py) is max_positions
+        # one extra row: the KV cache's pad position (model/layouts.py) is max_positions
         freqs = torch.outer(torch.arange(max_positions + 1, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)

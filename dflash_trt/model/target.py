@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from dflash_trt.config import TargetConfig
 from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
-from dflash_trt.runtime.batch import TargetLayout
-from dflash_trt.runtime.kv_cache import StaticKVCache
+from dflash_trt.model.layouts import TargetLayout
+from dflash_trt.model.kv_cache import StaticKVCache
 
 
 class TargetAttention(nn.Module):

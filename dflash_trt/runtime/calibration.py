@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dflash_trt.runtime.backend import BatchedBackend, DraftRow, TargetRow
+from dflash_trt.plugins.interface import BatchedBackend, DraftRow, TargetRow
 from dflash_trt.runtime.costs import CostModel
 
 _REPEATS = 5

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.builder.load import ModelPair, load_draft
+from dflash_trt.builder.load import load_draft
+from dflash_trt.model.pair import ModelPair
 from dflash_trt.builder.manifest import Manifest, read_manifest, verify_artefacts
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
 from dflash_trt.model.target import TargetModel

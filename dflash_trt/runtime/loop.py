@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.runtime.backend import BatchedBackend, DraftRow, TargetRow
+from dflash_trt.plugins.interface import BatchedBackend, DraftRow, TargetRow
 from dflash_trt.runtime.sampling import draw, sampling_probs
 from dflash_trt.runtime.verify import Verdict, accept_greedy, accept_onehot, accept_rejection
 

@@ -20,7 +20,7 @@ from collections import deque
 from typing import Callable
 
 from dflash_trt.errors import RequestError
-from dflash_trt.runtime.backend import BatchedBackend
+from dflash_trt.plugins.interface import BatchedBackend
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import Cycle, RequestState
 from dflash_trt.runtime.planner import AutoPlanner, RequestMemory

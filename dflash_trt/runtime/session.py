@@ -17,11 +17,12 @@ from typing import Iterator, Literal, Sequence
 
 import torch
 
-from dflash_trt.builder.load import ModelPair, load_pair
+from dflash_trt.builder.load import load_pair
+from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import RequestError
 from dflash_trt.plugins.registry import create_backend
-from dflash_trt.runtime.backend import as_batched
+from dflash_trt.plugins.interface import as_batched
 from dflash_trt.runtime.calibration import calibrate
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import Cycle, RequestState

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from dflash_trt.builder.load import ModelPair
+from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import TrainingError
 from dflash_trt.model.draft_head import DraftHead

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_trt.builder.load import ModelPair, load_target
+from dflash_trt.builder.load import load_target
+from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
 from dflash_trt.runtime.session import Session
 from tiny_models import PROMPT_VOCAB, TargetSpec

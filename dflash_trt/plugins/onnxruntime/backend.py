@@ -3,7 +3,7 @@
 Each network keeps one static float32 KV cache on the host, ``[layers, 1, nkv, max_seq_len, d]``,
 allocated at setup (style R5). A call feeds the live prefix ``cache[..., :P, :]`` to the graph and
 writes back only the rows the graph returns (``builder/export_onnx.py`` describes the I/O), so
-cropping is bookkeeping, exactly as in ``runtime/kv_cache.py``. The loop, verification and stats
+cropping is bookkeeping, exactly as in ``model/kv_cache.py``. The loop, verification and stats
 are the shared ones in ``runtime/``.
 """
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_trt.builder.load import ModelPair
+from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import DraftConfig, TargetConfig
-from dflash_trt.runtime.backend import DraftRow, TargetRow
-from dflash_trt.runtime.batch import DraftLayout, TargetLayout
+from dflash_trt.plugins.interface import DraftRow, TargetRow
+from dflash_trt.model.layouts import DraftLayout, TargetLayout
 
 
 class TorchBackend:

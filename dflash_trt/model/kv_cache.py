@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash_trt.runtime.batch import DraftLayout, TargetLayout
+from dflash_trt.model.layouts import DraftLayout, TargetLayout
 
 
 class StaticKVCache:

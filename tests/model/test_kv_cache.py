@@ -1,4 +1,4 @@
-"""Static KV cache (dflash_trt/runtime/kv_cache.py): exact crop, fixed buffers (dflash.md §3.5, style R5).
+"""Static KV cache (dflash_trt/model/kv_cache.py): exact crop, fixed buffers (dflash.md §3.5, style R5).
 
 Cropping is bookkeeping: rows past the committed length are stale and the next write overwrites
 them, so a write after a crop must give exactly what a fresh cache fed only the kept rows gives.
@@ -15,7 +15,7 @@ from tiny_models import DraftSpec, TargetSpec
 
 from dflash_trt.builder.load import load_pair
 from dflash_trt.config import SamplingParams
-from dflash_trt.runtime.kv_cache import StaticKVCache
+from dflash_trt.model.kv_cache import StaticKVCache
 from dflash_trt.runtime.stats import SpecStats
 
 LAYERS, HEADS, MAX_LEN, DIM = 2, 2, 16, 4
