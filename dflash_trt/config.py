@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, StrictInt,
+                      ValidationError, model_validator)
 
-from dflash_trt.errors import RequestError
+from dflash_trt.errors import RequestError, validation_error
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
+_MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+StrictTokenId = StrictInt
+"""A token id given by a user: an int, never a float or string silently converted (1.9 is not token 1)."""
 
 
 class RopeConfig(BaseModel):
@@ -129,8 +133,9 @@ class SamplingParams(BaseModel):
     )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass kept (1 = off).")
     top_k: NonNegativeInt = Field(default=0, description="Keep the k most likely tokens (0 = off).")
-    seed: int | None = Field(default=None, description="Seed of this request's private RNG (None = 0).")
-    stop_token_ids: tuple[int, ...] | None = Field(
+    seed: int | None = Field(default=None, ge=0, le=_MAX_SEED,
+                             description="Seed of this request's private RNG, 0 .. 2**64 - 1 (None = 0).")
+    stop_token_ids: tuple[StrictTokenId, ...] | None = Field(
         default=None, description="Ids that end generation (kept in the output). None = the target's EOS ids."
     )
     block_len: PositiveInt | None = Field(
@@ -142,17 +147,15 @@ class SamplingParams(BaseModel):
         "`sampled` (draft sampled from q, standard rejection; the dflash 0.1.0 rule, §3.4 B).",
     )
 
+    def __init__(self, **fields: object) -> None:
+        """Validate user input; a bad field raises ``RequestError`` naming it (never a pydantic dump)."""
+        try:
+            super().__init__(**fields)
+        except ValidationError as exc:
+            raise validation_error(RequestError, "sampling parameters", exc,
+                                   "pass a value in range (see `dflash-trt run --help`).") from None
+
     @classmethod
     def create(cls, **fields: object) -> SamplingParams:
-        """Validate user input, turning pydantic's error into a RequestError that names the field."""
-        from pydantic import ValidationError
-
-        try:
-            return cls(**fields)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            name = ".".join(str(p) for p in first["loc"])
-            raise RequestError(
-                f"sampling parameter `{name}` is {first.get('input')!r}: {first['msg']}. "
-                "Fix: pass a value in range (see `dflash-trt run --help`)."
-            ) from None
+        """The constructor, for call sites that build parameters from a request's fields."""
+        return cls(**fields)

@@ -28,6 +28,10 @@ class RequestError(DFlashError, ValueError):
     """A generation request is invalid (prompt too long, bad sampling parameters, ...)."""
 
 
+class ConfigError(DFlashError, ValueError):
+    """A configuration object (a build or session setting) has a field of the wrong type or out of range."""
+
+
 class TokenizerError(DFlashError, ValueError):
     """Text cannot be encoded or decoded with the available tokenizer."""
 
@@ -41,6 +45,16 @@ def field_error(cls: type[DFlashError], source: str, field: str, found: object, 
     return cls(f"{source}: field `{field}` is {found!r}; expected {expected}. Fix: {fix}")
 
 
+def validation_error(cls: type[DFlashError], source: str, exc: Exception, fix: str) -> DFlashError:
+    """One line from a pydantic ``ValidationError``: its first problem's field, the value found and the rule."""
+    first = exc.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "(whole object)"
+    found = first.get("input")
+    shown = repr(found) if len(repr(found)) <= 80 else repr(found)[:77] + "..."
+    rule = first["msg"][0].lower() + first["msg"][1:]
+    return cls(f"{source}: field `{field}` is {shown}; expected a value where {rule}. Fix: {fix}")
+
+
 class EngineFormatError(DFlashError, ValueError):
     """An engine folder is malformed, incomplete or was modified after the build (a hash mismatch)."""
 
@@ -49,8 +63,12 @@ class IncompatibleEngineError(DFlashError, ValueError):
     """An engine folder is valid but was built for another format version, device, toolchain or plugin ABI."""
 
 
-class EngineExistsError(DFlashError, FileExistsError):
-    """A build would overwrite an existing engine folder without ``--force``."""
+class OutputExistsError(DFlashError, FileExistsError):
+    """An output path already holds something a command would overwrite (without ``--force``, or not ours)."""
+
+
+class EngineExistsError(OutputExistsError):
+    """A build would overwrite an existing engine folder without ``--force``, or a path that is no engine folder."""
 
 
 class ServingError(DFlashError, RuntimeError):

@@ -8,9 +8,11 @@ Timing (TTFT, TPOT) is measured around the loop, never inside it.
 from __future__ import annotations
 
 import gc
+import operator
 import queue
 import threading
 import time
+from collections.abc import Iterable, Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal, Sequence
@@ -142,12 +144,25 @@ class Session:
         return self.pair.draft.config.block_size if self.pair.draft is not None else 1
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of ``prompt``: text through the tokenizer, or a flat sequence of integer ids taken as is."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt is text but this target has no tokenizer; expected token ids. "
                                    "Fix: pass --prompt-ids 1,2,3 (or put tokenizer.json beside the checkpoint).")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # e.g. undecodable bytes on the command line (surrogate escapes)
+                raise RequestError(f"prompt has a character that is not valid Unicode at position {exc.start} "
+                                   f"({prompt[exc.start]!r}); expected UTF-8 text. Fix: re-encode the prompt as "
+                                   "UTF-8.") from None
             return self.tokenizer.encode(prompt)
-        return [int(token) for token in prompt]
+        if isinstance(prompt, (bytes, bytearray, Mapping, AbstractSet)) or not isinstance(prompt, Iterable):
+            raise RequestError(f"prompt has type {type(prompt).__name__}; expected text (str) or a list of token ids. "
+                               "Fix: pass a string, or a list of ints such as [1, 403, 407].")
+        if isinstance(prompt, torch.Tensor) and prompt.dim() != 1:
+            raise RequestError(f"prompt is a tensor of shape {list(prompt.shape)}; expected one dimension of token "
+                               "ids. Fix: pass one request's ids (a batch goes through one submit() per row).")
+        return [_token_id(token, position) for position, token in enumerate(prompt)]
 
     def decode_text(self, token_ids: Sequence[int], previous: int | None = None) -> str:
         return self.tokenizer.decode(token_ids, previous) if self.tokenizer is not None else ""
@@ -175,7 +190,10 @@ class Session:
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestHandle:
         """Queue a request (thread-safe) and return its handle at once: iterate it for ``StreamChunk`` s,
         ``result()`` for the ``GenerationResult``, ``cancel()`` to stop it. Invalid requests raise here."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params has type {type(params).__name__}; expected SamplingParams or None. Fix: pass "
+                               "SamplingParams(max_new_tokens=..., ...).")
         prompt_ids = self.encode(prompt)
         block_len = self._validate(prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids if params.stop_token_ids is not None
@@ -238,7 +256,23 @@ class Session:
         self._scheduler.close()
 
 
+def _token_id(token: object, position: int) -> int:
+    """One prompt id: an integer (int, numpy or 0-d integer tensor); 1.9, "7", True or [1] are refused."""
+    if not isinstance(token, bool):
+        try:
+            return operator.index(token)
+        except TypeError:
+            pass
+    raise RequestError(f"prompt token {position} is {token!r} ({type(token).__name__}); expected an integer token "
+                       "id. Fix: pass a flat list of ints (token ids are never rounded).")
+
+
 def _check_device(device: str, backend: str) -> None:
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise RequestError(f"device is {device!r}; expected cpu, cuda or cuda:N. Fix: pass --device cpu or "
+                           "--device cuda.") from None
     if backend not in ("torch", "auto"):
         raise RequestError(f"device is {device!r} with backend {backend!r}; expected device 'cpu' (only the torch "
                            "backend places weights by device). Fix: drop --device or pass --backend torch.")
