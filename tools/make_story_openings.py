@@ -1,13 +1,15 @@
 """Write story openings for drafter distillation from the TinyStories *train* head (never the held-out file).
 
-The shared copy of the train head is lowercased by its uploader (assets.md §5), which is out of
+The copy of the train head this reads was lowercased by its uploader (docs/assets.md §5), which is out of
 distribution for the cased tok512 target, so each story's first sentence is re-cased with three rules:
 capitalise the sentence start and the pronoun "i", and capitalise the stories' character names: words
 that follow "named" or "called" at least twice in the file and more often than they follow an article,
 a possessive or "very"/"so" (which rules out adjectives such as "big"). One opening per line, in file order.
 
-    python tools/make_story_openings.py ../shared/assets/tinystories/tinystories-train-head-lowercased.txt \\
-        openings.txt
+    python tools/make_story_openings.py tinystories-train-head-lowercased.txt data/tinystories/train-openings.txt
+
+The output is shipped as data/tinystories/train-openings.txt (source, hashes and licence in
+data/tinystories/PROVENANCE.md); rerunning this on the same head reproduces it byte for byte.
 """
 
 from __future__ import annotations
