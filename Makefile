@@ -1,11 +1,12 @@
 # make demo : create .venv, install, run the embedded pair (DFlash vs plain decoding, same run)
 # make test : create .venv, install with dev dependencies, run the test suite
+# make plugin-check : compile the TensorRT plugin against ../shared/vendor/tensorrt headers, host-test it (no GPU, no venv)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test venv dev clean
+.PHONY: demo test venv dev clean plugin-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q
+
+plugin-check:
+	$(PYTHON) -m dflash_trt.plugins.tensorrt.plugin_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

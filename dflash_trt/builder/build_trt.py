@@ -120,7 +120,7 @@ def _gpu_build(work: Path, pair, limits: GraphLimits, gpu) -> tuple[Any, dict[st
     library = None
     if pair.draft is not None:
         try:
-            library = build_plugin_library(out, gpu.compute_capability)
+            library = build_plugin_library(out, (gpu.compute_capability.replace(".", ""),))
             checks["plugin_library"] = f"built {library.name} for SM {gpu.compute_capability}"
         except BackendUnavailableError as exc:
             checks["plugin_library"] = f"not built ({exc}); draft.plan uses the standard-op graph"

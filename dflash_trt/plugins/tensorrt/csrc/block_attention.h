@@ -1,6 +1,6 @@
 // Shared declarations of the DFlashBlockAttention TensorRT plugin (schema: dflash_trt/plugins/schema.py).
 #pragma once
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
 namespace dflash {
 

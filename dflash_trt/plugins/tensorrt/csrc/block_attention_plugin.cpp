@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -24,14 +25,55 @@ struct Attributes {
     int32_t causal{0};
 };
 
-int32_t readInt(PluginField const& field) {
-    if (field.type == PluginFieldType::kINT64) return static_cast<int32_t>(*static_cast<int64_t const*>(field.data));
-    return *static_cast<int32_t const*>(field.data);
+// Keys the ONNX parser adds to every plugin node (schema.py); they select the creator and carry no attribute.
+bool isParserKey(char const* name) {
+    return std::strcmp(name, "plugin_version") == 0 || std::strcmp(name, "plugin_namespace") == 0;
 }
 
-float readFloat(PluginField const& field) {
-    if (field.type == PluginFieldType::kFLOAT64) return static_cast<float>(*static_cast<double const*>(field.data));
-    return *static_cast<float const*>(field.data);
+bool readInt(PluginField const& field, int32_t& value) {
+    if (field.length != 1) return false;
+    int64_t wide = 0;
+    if (field.type == PluginFieldType::kINT32) wide = *static_cast<int32_t const*>(field.data);
+    else if (field.type == PluginFieldType::kINT64) wide = *static_cast<int64_t const*>(field.data);
+    else return false;
+    if (wide < 0 || wide > std::numeric_limits<int32_t>::max()) return false;
+    value = static_cast<int32_t>(wide);
+    return true;
+}
+
+bool readFloat(PluginField const& field, float& value) {
+    if (field.length != 1) return false;
+    double wide = 0.;
+    if (field.type == PluginFieldType::kFLOAT32) wide = *static_cast<float const*>(field.data);
+    else if (field.type == PluginFieldType::kFLOAT64) wide = *static_cast<double const*>(field.data);
+    else return false;
+    if (!std::isfinite(wide) || wide < 0.) return false;
+    value = static_cast<float>(wide);
+    return true;
+}
+
+// Attributes from a creator's field collection. At build time (the ONNX parser) absent attributes keep the
+// schema defaults and the parser's own keys are skipped; at runtime the fields are the ones
+// getFieldsToSerialize wrote, so all three must be present and nothing else. Returns false on a field of the
+// wrong type, length or value (a malformed node or serialized plan), which createPlugin turns into nullptr.
+bool parseAttributes(PluginFieldCollection const* fc, TensorRTPhase phase, Attributes& attributes) {
+    if (fc == nullptr || fc->nbFields < 0 || (fc->nbFields > 0 && fc->fields == nullptr)) return false;
+    bool const serialized = phase == TensorRTPhase::kRUNTIME;
+    bool seenScale = false, seenWindow = false, seenCausal = false;
+    for (int32_t i = 0; i < fc->nbFields; ++i) {
+        PluginField const& field = fc->fields[i];
+        if (field.name == nullptr) return false;
+        if (!serialized && isParserKey(field.name)) continue;
+        if (field.data == nullptr) return false;
+        bool ok = false;
+        if (std::strcmp(field.name, "scale") == 0 && !seenScale) ok = seenScale = readFloat(field, attributes.scale);
+        else if (std::strcmp(field.name, "window") == 0 && !seenWindow)
+            ok = seenWindow = readInt(field, attributes.window);
+        else if (std::strcmp(field.name, "causal") == 0 && !seenCausal)
+            ok = seenCausal = readInt(field, attributes.causal) && attributes.causal <= 1;
+        if (!ok) return false;  // unknown, repeated or invalid field
+    }
+    return !serialized || (seenScale && seenWindow && seenCausal);
 }
 
 }  // namespace
@@ -64,12 +106,18 @@ public:
     int32_t getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
                                int32_t nbInputs) const noexcept override {
         if (nbOutputs != 1 || nbInputs != 5) return -1;
-        outputTypes[0] = inputTypes[0];
+        for (int32_t i = 0; i < nbInputs; ++i) {
+            if (inputTypes[i] != DataType::kFLOAT) return -1;  // the kernel is float32 throughout
+        }
+        outputTypes[0] = DataType::kFLOAT;
         return 0;
     }
     int32_t getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* outputs,
                             int32_t nbOutputs, IExprBuilder& exprBuilder) noexcept override {
-        if (nbInputs != 5 || nbOutputs != 1 || inputs[0].nbDims != 4) return -1;
+        if (nbInputs != 5 || nbOutputs != 1) return -1;
+        for (int32_t i = 0; i < nbInputs; ++i) {
+            if (inputs[i].nbDims != 4) return -1;  // q [B, nq, T, d]; context/block k, v [B, nkv, C|T, d]
+        }
         outputs[0].nbDims = 3;
         outputs[0].d[0] = inputs[0].d[0];  // B
         outputs[0].d[1] = inputs[0].d[2];  // T
@@ -78,14 +126,18 @@ public:
     }
     bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
                                    int32_t nbOutputs) noexcept override {
-        if (pos >= nbInputs + nbOutputs) return false;
+        if (pos < 0 || pos >= nbInputs + nbOutputs) return false;
         return inOut[pos].desc.type == DataType::kFLOAT && inOut[pos].desc.format == TensorFormat::kLINEAR;
     }
     int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*,
                             int32_t) noexcept override {
-        if (nbInputs != 5) return -1;
-        int64_t const headDim = in[0].max.d[3];
-        return headDim > kMaxHeadDim ? -1 : 0;
+        if (nbInputs != 5 || in[0].max.nbDims != 4 || in[1].max.nbDims != 4) return -1;
+        int64_t const headDim = in[0].max.d[3];  // q [B, nq, T, d]
+        int64_t const heads = in[0].max.d[1];
+        int64_t const kvHeads = in[1].max.d[1];   // context_k [B, nkv, C, d]
+        if (headDim < 1 || headDim > kMaxHeadDim) return -1;
+        if (heads > 0 && kvHeads > 0 && heads % kvHeads != 0) return -1;  // grouped-query attention
+        return 0;
     }
     size_t getWorkspaceSize(DynamicPluginTensorDesc const*, int32_t, DynamicPluginTensorDesc const*,
                             int32_t) const noexcept override {
@@ -147,16 +199,10 @@ public:
     AsciiChar const* getPluginVersion() const noexcept override { return kPluginVersion; }
     AsciiChar const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
     PluginFieldCollection const* getFieldNames() noexcept override { return &mFieldCollection; }
-    IPluginV3* createPlugin(AsciiChar const*, PluginFieldCollection const* fc, TensorRTPhase) noexcept override {
+    IPluginV3* createPlugin(AsciiChar const*, PluginFieldCollection const* fc,
+                            TensorRTPhase phase) noexcept override {
         Attributes attributes;
-        for (int32_t i = 0; fc != nullptr && i < fc->nbFields; ++i) {
-            PluginField const& field = fc->fields[i];
-            if (field.data == nullptr) continue;
-            if (std::strcmp(field.name, "scale") == 0) attributes.scale = readFloat(field);
-            else if (std::strcmp(field.name, "window") == 0) attributes.window = readInt(field);
-            else if (std::strcmp(field.name, "causal") == 0) attributes.causal = readInt(field);
-            // plugin_version / plugin_namespace are consumed by the parser; anything else is ignored
-        }
+        if (!parseAttributes(fc, phase, attributes)) return nullptr;
         return new BlockAttentionPlugin(attributes);
     }
 
