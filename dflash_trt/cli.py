@@ -103,6 +103,10 @@ def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temp
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         block_len=1 if no_draft else block_len, proposal=proposal,
         stop_token_ids=_parse_ids(stop_token_ids, "--stop-token-ids"))
+    if engine is None and backend not in ("auto", "torch"):
+        raise RequestError(f"--backend is {backend!r} without --engine; expected auto or torch (checkpoints run on "
+                           "torch; other backends run built graphs). Fix: build an engine with `dflash-trt build "
+                           f"--backend {backend} --out engines/NAME` and pass --engine engines/NAME.")
     if engine is not None:
         if target is not None or draft is not None:
             raise RequestError("--engine already holds the target and drafter; expected no --target/--draft with it. "
@@ -163,8 +167,9 @@ Examples:
 
 
 @main.command(epilog=_EXAMPLES_DEMO)
-@click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--repeats", type=int, default=3, show_default=True, help="Interleaved A/B repetitions.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Interleaved A/B repetitions.")
 def demo(max_new_tokens, repeats) -> None:
     """Run the embedded pair: DFlash vs plain decoding on the same prompts, in one run."""
     from dflash_trt.bench.ab import compare
@@ -176,6 +181,55 @@ def demo(max_new_tokens, repeats) -> None:
     prompts = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were"]
     result = compare(session, prompts, SamplingParams(max_new_tokens=max_new_tokens), repeats=repeats)
     _render.demo(session, prompts, result, max_new_tokens)
+
+
+_EXAMPLES_SERVE = """
+\b
+Examples:
+  dflash-trt serve
+  dflash-trt serve --port 8001 --speculation off
+  dflash-trt serve --engine engines/stories260K-ort --max-batch 16 --api-key "$KEY"
+  dflash-trt serve --target ./Qwen3-4B --draft ./Qwen3-4B-DFlash-b16 --host 0.0.0.0
+"""
+
+
+@main.command(epilog=_EXAMPLES_SERVE)
+@click.option("--engine", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Engine folder from "
+              "`dflash-trt build` (instead of --target/--draft).")
+@click.option("--backend", default="auto", show_default=True, help="With --engine: the backend to run it on.")
+@click.option("--target", type=click.Path(exists=True, path_type=Path), help="Target checkpoint. Default: the "
+              "embedded stories260K.")
+@click.option("--draft", type=click.Path(exists=True, path_type=Path), help="DFlash drafter folder.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 = every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
+@click.option("--max-queue", type=int, default=64, show_default=True, help="Waiting requests beyond --max-batch; "
+              "more get 429 with Retry-After.")
+@click.option("--speculation", type=click.Choice(["auto", "static", "off"]), default="auto", show_default=True,
+              help="auto: cost-model draft lengths; static: always block_len - 1; off: plain decoding (A/B baseline).")
+@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 routes.")
+@click.option("--served-model-name", default=None, help="Model id clients send (default: engine or target name).")
+@click.option("--chat-template", default=None, help="Jinja2 chat template file, or `plain` (default: the "
+              "checkpoint's tokenizer_config.json, else plain).")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True, help="Seconds in-flight requests "
+              "get to finish after SIGTERM or Ctrl-C.")
+def serve(engine, backend, target, draft, host, port, max_batch, max_queue, speculation, api_key, served_model_name,
+          chat_template, drain_timeout) -> None:
+    """Serve the OpenAI API (completions, chat, streaming, /metrics) with DFlash speculation."""
+    from pydantic import ValidationError
+
+    from dflash_trt.serving.openai.server import ServeConfig, serve as run_server
+
+    try:
+        config = ServeConfig(engine=engine, backend=backend, target=target, draft=draft, host=host, port=port,
+                             max_batch=max_batch, max_queue=max_queue, speculation=speculation, api_key=api_key,
+                             served_model_name=served_model_name, chat_template=chat_template,
+                             drain_timeout_s=drain_timeout)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise RequestError(f"serve option `{'.'.join(map(str, first['loc'])) or 'config'}` is "
+                           f"{first.get('input')!r}: {first['msg']}. Fix: see `dflash-trt serve --help`.") from None
+    run_server(config, announce=click.echo)
 
 
 def _register_optional_commands() -> None:
@@ -208,8 +262,26 @@ def _register_build_command() -> None:
 _register_build_command()
 
 
+def _user_error(exc: Exception) -> str | None:
+    """The one line for an ordinary mistake (ours, a file-system refusal, a bad config value), else None."""
+    from pydantic import ValidationError
+
+    from dflash_trt.errors import ConfigError, validation_error
+
+    if isinstance(exc, DFlashError):
+        return str(exc)
+    if isinstance(exc, ValidationError):
+        return str(validation_error(ConfigError, exc.title, exc, "correct that option (see the command's --help)."))
+    if isinstance(exc, OSError) and exc.strerror:  # permission denied, no space left, not a directory, ...
+        where = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
+        return (f"{where or 'the operating system'}: {exc.strerror}. Fix: choose a path you can write (or read), "
+                "or free the space or permission it needs.")
+    return None
+
+
 def entry() -> None:
-    """Console-script entry: known errors become one line and exit code 2."""
+    """Console-script entry: ordinary mistakes become one line and exit code 2 (the traceback with
+    ``--debug`` or ``DFLASH_DEBUG=1``); anything else is a bug and keeps its traceback."""
     try:
         main(standalone_mode=False)
     except click.exceptions.Abort:
@@ -217,8 +289,9 @@ def entry() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(2)
-    except DFlashError as exc:
-        if os.environ.get(_DEBUG_ENV):
+    except Exception as exc:
+        line = _user_error(exc)
+        if line is None or os.environ.get(_DEBUG_ENV):
             raise
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {line}", err=True)
         sys.exit(2)

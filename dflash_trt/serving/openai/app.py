@@ -1,0 +1,224 @@
+"""The FastAPI application: OpenAI routes over one ``Session`` (``create_app``).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events with
+``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). With an API key,
+every ``/v1`` route needs ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open for probes
+and scrapers. Every refusal is an OpenAI error object with a 4xx status; a 500 means a bug of ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.runtime.session import Session
+from dflash_trt.serving.openai.chat_template import ChatTemplate
+from dflash_trt.serving.openai.dispatcher import Dispatcher, Piece, Ticket
+from dflash_trt.serving.openai.prometheus import ServerMetrics
+from dflash_trt.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, RequestRefused, chunk_body,
+                                                completion_body, new_id, parse, spec_decoding, usage)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for ``/v1/completions``; chat requests default to the rest of the context."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What ``GET /v1/models`` and ``/health`` report: the model and the conditions it is served under."""
+
+    id: str
+    speculation: str  # auto | static | off
+    max_batch: int
+    max_queue: int
+    block_len: int
+    backend: str
+    engine: str | None
+    target: str
+    draft: str | None
+    chat_template: str
+
+    def card(self, max_model_len: int) -> dict[str, Any]:
+        return {"id": self.id, "object": "model", "created": 0, "owned_by": "dflash-trt",
+                "max_model_len": max_model_len,
+                "dflash": {"speculation": self.speculation, "block_len": self.block_len, "max_batch": self.max_batch,
+                           "max_queue": self.max_queue, "backend": self.backend, "engine": self.engine,
+                           "target": self.target, "draft": self.draft, "chat_template": self.chat_template}}
+
+
+def create_app(session: Session, model: ServedModel, template: ChatTemplate, api_key: str | None = None) -> FastAPI:
+    metrics = ServerMetrics(model.id)
+    dispatcher = Dispatcher(session, metrics, model.max_batch, model.max_queue)
+    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.dispatcher = dispatcher
+    plain = model.speculation == "off"
+
+    @app.exception_handler(RequestRefused)
+    async def refused(_: Request, exc: RequestRefused) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(DFlashError)
+    async def invalid(_: Request, exc: DFlashError) -> JSONResponse:
+        code = "context_length_exceeded" if "context length" in str(exc) else "invalid_value"
+        return JSONResponse(RequestRefused(str(exc), code=code).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(RequestRefused(str(exc.detail), status=exc.status_code, kind=kind).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model.id, "speculation": model.speculation, "running": dispatcher.running,
+                "waiting": dispatcher.waiting, "peak_running": dispatcher.peak_running}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        _authorize(request, api_key)
+        return {"object": "list", "data": [model.card(session.max_seq_len)]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse(CompletionRequest, await _json_body(request, api_key))
+        _check_model(body.model, model.id)
+        if not body.prompt:
+            raise RequestRefused("field `prompt` is empty; expected text or at least one token id. Fix: send a "
+                                 "non-empty prompt.", param="prompt")
+        ids = await _encode(dispatcher, session, body.prompt)
+        return await _answer(request, dispatcher, model.id, body, ids, COMPLETION_DEFAULT_MAX_TOKENS, plain, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse(ChatCompletionRequest, await _json_body(request, api_key))
+        _check_model(body.model, model.id)
+        ids = await _encode(dispatcher, session, template.render(body.messages))
+        room = max(session.max_seq_len - len(ids), 1)
+        return await _answer(request, dispatcher, model.id, body, ids, room, plain, chat=True)
+
+    @app.on_event("shutdown")
+    async def close() -> None:
+        dispatcher.close()
+        session.close()
+
+    return app
+
+
+def _authorize(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise RequestRefused("missing or wrong API key; expected the header `Authorization: Bearer <key>` with the "
+                             "key the server was started with (--api-key). Fix: send that header.", status=401,
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _json_body(request: Request, api_key: str | None) -> bytes:
+    _authorize(request, api_key)
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise RequestRefused(f"Content-Type is {content_type or 'absent'!r}; expected 'application/json'. Fix: send "
+                             "the request body as JSON with `Content-Type: application/json`.", status=415,
+                             code="unsupported_media_type")
+    return await request.body()
+
+
+def _check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise RequestRefused(f"model {requested!r} is not served here; expected {served!r} (see GET /v1/models). "
+                             f"Fix: send \"model\": \"{served}\".", status=404, param="model", code="model_not_found",
+                             kind="not_found_error")
+
+
+async def _encode(dispatcher: Dispatcher, session: Session, prompt: str | list[int]) -> list[int]:
+    """Token ids of the prompt (text is tokenized on a worker thread: long prompts take a while)."""
+    if isinstance(prompt, list):
+        return prompt
+    return await asyncio.get_running_loop().run_in_executor(None, session.encode, prompt)
+
+
+async def _answer(request: Request, dispatcher: Dispatcher, model_id: str, body: CompletionRequest |
+                  ChatCompletionRequest, ids: Sequence[int], default_max_tokens: int, plain: bool,
+                  chat: bool) -> Response:
+    params = body.sampling_params(default_max_tokens, plain)
+    stops = body.stop_strings()
+    ticket = dispatcher.admit()
+    try:
+        handle = await dispatcher.submit(ticket, list(ids), params)
+    except BaseException:
+        ticket.release()
+        raise
+    pieces = dispatcher.pieces(ticket, handle, stops)
+    request_id = new_id("chatcmpl" if chat else "cmpl")
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_events(pieces, request_id, model_id, chat, include_usage),
+                                 media_type="text/event-stream", background=BackgroundTask(ticket.release))
+    collecting = asyncio.ensure_future(_collect(pieces))
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not collecting.done():  # the client went away: cancelling the read cancels the request
+        collecting.cancel()
+        return Response(status_code=499)
+    gone.cancel()
+    text, finished = collecting.result()
+    return JSONResponse(completion_body(request_id, model_id, text, finished, chat))
+
+
+async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, Any]:
+    parts = []
+    async for piece in pieces:
+        parts.append(piece.text)
+        if piece.finished is not None:
+            return "".join(parts), piece.finished
+    raise RuntimeError("the request ended without a final chunk")  # only a cancelled request does, never here
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _events(pieces: AsyncIterator[Piece], request_id: str, model_id: str, chat: bool,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per verified cycle with new text, a last chunk with the finish reason and
+    the request's ``spec_decoding`` object, then ``usage`` (when asked for) and ``[DONE]``."""
+    first = True
+    try:
+        async for piece in pieces:
+            if piece.text or (chat and first):
+                yield _sse(chunk_body(request_id, model_id, piece.text, None, chat, first))
+                first = False
+            if piece.finished is not None:
+                last = chunk_body(request_id, model_id, None, piece.finished.finish_reason, chat)
+                yield _sse({**last, "spec_decoding": spec_decoding(piece.finished.stats)})
+                if include_usage:
+                    yield _sse({"id": request_id, "object": last["object"], "created": int(time.time()),
+                                "model": model_id, "choices": [], "usage": usage(piece.finished)})
+        yield _sse("[DONE]")
+    except DFlashError as exc:  # a failure inside the session after the stream began: report it in-band
+        yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+        yield _sse("[DONE]")
+    finally:
+        await pieces.aclose()
+
+
+__all__ = ["ServedModel", "Ticket", "create_app"]
