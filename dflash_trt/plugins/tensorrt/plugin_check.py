@@ -10,6 +10,9 @@ repository, TensorRT's unmodified Apache-2.0 public headers):
 4. ``csrc/host_check.cpp`` loads it as TensorRT's registry does and runs every build-phase method on the CPU
    (``docs/gpu.md``); the creator's attribute fields must match ``plugins/schema.py``.
 
+Then ``csrc/CMakeLists.txt`` builds the library and the host check against the newest header set, and that
+library is host-checked too.
+
 The CUDA toolkit comes from ``CUDA_HOME``, the ``cuda-build`` wheels of this interpreter, or a cached install of
 the same wheels under ``build/cuda-13.0`` (fetched with pip on first use, ~100 MB). ``nvcc`` on ``PATH`` is not used,
 so every machine compiles with the same pinned compiler. Standard library only: runs without the project's venv.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -76,7 +80,19 @@ def ensure_toolkit(cache: Path = TOOLKIT_CACHE) -> CudaToolkit:
         raise PluginCheckError(f"could not install the CUDA compiler wheels into {cache} (pip exit "
                                f"{result.returncode}): {result.stderr.strip()[-1500:]}. Fix: check access to PyPI, "
                                "or set CUDA_HOME to a CUDA 13 toolkit.")
+    (cached.root / "lib64").symlink_to("lib")  # nvcc.profile links from lib64; the wheels ship lib/
     return cached
+
+
+def cmake_build(csrc: Path, include: Path, work: Path, toolkit: CudaToolkit) -> tuple[Path, Path] | None:
+    """Configure and build ``csrc/CMakeLists.txt`` (library + host check); None when cmake or lib64 is absent."""
+    if shutil.which("cmake") is None or not (toolkit.root / "lib64").is_dir():
+        return None
+    build_plugin.run_step(["cmake", "-S", str(csrc), "-B", str(work), f"-DTENSORRT_INCLUDE_DIR={include}",
+                           f"-DCMAKE_CUDA_COMPILER={toolkit.nvcc}", f"-DCMAKE_CUDA_ARCHITECTURES={CHECK_ARCHITECTURES[0]}",
+                           "-DDFLASH_HOST_CHECK=ON"], "configuring csrc/CMakeLists.txt")
+    build_plugin.run_step(["cmake", "--build", str(work), "-j", "2"], "building with csrc/CMakeLists.txt")
+    return work / build_plugin.LIBRARY_NAME, work / "dflash_plugin_host_check"
 
 
 def run_host_check(library: Path, binary: Path) -> tuple[int, tuple[tuple[str, str], ...]]:
@@ -129,6 +145,19 @@ def check_plugin(csrc: Path = build_plugin.CSRC, headers: Path = DEFAULT_HEADERS
     return results
 
 
+def check_cmake(csrc: Path, headers: Path, work: Path, toolkit: CudaToolkit) -> str:
+    """Build with CMake against the newest header set and host-check that library too; returns what was done."""
+    version, include = header_sets(headers)[-1]
+    try:
+        built = cmake_build(csrc, include, work / f"cmake-{version}", toolkit)
+    except BackendUnavailableError as exc:
+        raise PluginCheckError(f"TensorRT {version} headers: {exc}") from None
+    if built is None:
+        return "CMake build skipped (cmake not on PATH, or the CUDA toolkit has no lib64)"
+    passed, _ = run_host_check(*built)
+    return f"CMake build against TensorRT {version}: host check {passed} of {passed} passed"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_trt.plugins.tensorrt.plugin_check",
                                      description="Compile and host-test the TensorRT plugin against vendored headers.")
@@ -138,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="build folder")
     args = parser.parse_args(argv)
     try:
-        results = check_plugin(args.csrc, args.headers, args.work)
+        toolkit = ensure_toolkit()
+        results = check_plugin(args.csrc, args.headers, args.work, toolkit)
+        print(f"plugin-check: {check_cmake(args.csrc, args.headers, args.work, toolkit)}", flush=True)
     except PluginCheckError as exc:
         print(f"plugin-check: FAILED: {exc}", file=sys.stderr)
         return 1
