@@ -38,7 +38,7 @@ from dflash_trt.builder.hf_config import target_config_json  # noqa: E402
 from dflash_trt.builder.quantized_checkpoint import calibration_batch  # noqa: E402
 
 DATA = ROOT / "tests" / "builder" / "data"
-CALIBRATION_TEXTS = ROOT.parent / "shared" / "assets" / "tinystories" / "tinystories-train-head-lowercased.txt"
+CALIBRATION_TEXTS = ROOT / "data" / "tinystories" / "calibration-paragraphs.txt"
 CALIBRATION_ROWS, CALIBRATION_LENGTH = 16, 64
 
 

@@ -5,9 +5,9 @@ Run from the repository root (about 5 minutes on one CPU thread)::
     .venv/bin/python tools/quantization_report.py --out /tmp/quantization_report.json
 
 Defaults: the embedded stories260K pair (``load_pair()``), the first sentences of the 21 held-out
-TinyStories stories (``shared/assets/tinystories/TinyStories-valid-head21.txt``), greedy, B=16, 256 new
+TinyStories stories (``dflash_trt/bench/prompts/tinystories.jsonl``), greedy, B=16, 256 new
 tokens, stop tokens off. Calibration: the first 16 paragraphs of at least 64 tokens of
-``shared/assets/tinystories/tinystories-train-head-lowercased.txt``, cut to 64 tokens (the same
+``data/tinystories/calibration-paragraphs.txt``, cut to 64 tokens (the same
 procedure as ``tools/make_modelopt_vectors.py``).
 """
 
@@ -28,15 +28,16 @@ from dflash_trt.bench.quantization_report import measure_quantization  # noqa: E
 from dflash_trt.builder.quantized_checkpoint import calibration_batch  # noqa: E402
 from dflash_trt.training.prompts import read_prompts  # noqa: E402
 
-ASSETS = ROOT.parent / "shared" / "assets" / "tinystories"
+HELD_OUT_PROMPTS = ROOT / "dflash_trt" / "bench" / "prompts" / "tinystories.jsonl"
+CALIBRATION_TEXTS = ROOT / "data" / "tinystories" / "calibration-paragraphs.txt"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=None, help="target checkpoint (default: embedded stories260K)")
     parser.add_argument("--draft", default=None, help="drafter folder (default: the embedded drafter)")
-    parser.add_argument("--prompts", default=str(ASSETS / "TinyStories-valid-head21.txt"))
-    parser.add_argument("--calibration", default=str(ASSETS / "tinystories-train-head-lowercased.txt"))
+    parser.add_argument("--prompts", default=str(HELD_OUT_PROMPTS))
+    parser.add_argument("--calibration", default=str(CALIBRATION_TEXTS))
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--block-len", type=int, default=16)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
