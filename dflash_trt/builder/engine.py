@@ -1,9 +1,10 @@
 """``build_engine``: checkpoints -> ``engines/NAME/`` (manifest.json + artefacts), atomically.
 
-Everything is written into a hidden temporary folder beside ``out`` and renamed into place only
+Everything is written into a hidden staging folder beside ``out`` and renamed into place only
 after the manifest (with every artefact's sha256) is complete, so an interrupted build never
 leaves a folder that loads (architecture.md contract 1). An existing ``out`` is replaced only with
-``force``. What a backend cannot produce on this machine (TensorRT plans without a GPU, TRT-LLM
+``force``, and only when it is an engine folder (``builder/staging.py``: a user's files are never
+deleted; staging folders of killed builds are cleaned up). What a backend cannot produce on this machine (TensorRT plans without a GPU, TRT-LLM
 validation without tensorrt_llm) is listed in ``manifest.pending``; the caller reports it
 (``dflash-trt build`` exits 2 with a "needs an NVIDIA GPU / TensorRT x.y" line, never a crash).
 
@@ -19,19 +20,17 @@ Layout::
 
 from __future__ import annotations
 
-import os
 import resource
 import shlex
 import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 from safetensors.torch import save_file
 
 import dflash_trt
@@ -40,7 +39,8 @@ from dflash_trt.model.pair import ModelPair
 from dflash_trt.builder.manifest import (
     FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, Manifest, QuantName,
     Quantization, SourceRecord, TokenizerRecord, sha256_file, tool_versions, write_manifest)
-from dflash_trt.errors import EngineExistsError, RequestError
+from dflash_trt.builder.staging import STAGING_MARKER, check_replaceable, exit_on_termination, publish, stage
+from dflash_trt.errors import ConfigError, RequestError, validation_error
 
 Progress = Callable[[str, str, float | None], None]
 """``progress(event, step, seconds)``: event is "start" or "done"; seconds is set on "done"."""
@@ -77,14 +77,22 @@ class BuildConfig(BaseModel):
     backend: BackendName = Field(default="onnxruntime", description="What to build: torch | onnxruntime | "
                                  "tensorrt | trtllm.")
     quant: QuantName = Field(default="none", description="Target weight quantization: none | fp8 | nvfp4.")
-    max_batch_size: PositiveInt = Field(default=1, description="Largest batch the artefacts accept.")
+    max_batch_size: PositiveInt = Field(default=16, description="Largest batch (concurrent requests per "
+                                        "forward) the artefacts accept.")
     max_seq_len: PositiveInt | None = Field(default=None, description="Longest prompt + output; None = "
                                             "min(target max_position_embeddings, 8192).")
     block_len: PositiveInt | None = Field(default=None, le=64, description="Largest block (anchor + drafts); "
                                           "None = the drafter's block_size.")
     drafter_graph: Literal["standard", "plugin"] = Field(
         default="standard", description="Drafter graph ONNX Runtime runs: standard ops (fast) or plugin nodes.")
-    force: bool = Field(default=False, description="Replace an existing engine folder.")
+    force: bool = Field(default=False, description="Replace an existing engine folder (never other files).")
+
+    def __init__(self, **fields: object) -> None:
+        """Validate the request; a bad field raises ``ConfigError`` naming it."""
+        try:
+            super().__init__(**fields)
+        except ValidationError as exc:
+            raise validation_error(ConfigError, "build config", exc, "see `dflash-trt build --help`.") from None
 
     def command(self) -> str:
         """The command line that rebuilds this engine (recorded in the manifest, quoted in errors)."""
@@ -174,7 +182,7 @@ def _role_of(relative: str, drafter_graph: str) -> str:
 
 def _artefacts(work: Path, drafter_graph: str) -> tuple[Artefact, ...]:
     rows = []
-    for path in sorted(p for p in work.rglob("*") if p.is_file()):
+    for path in sorted(p for p in work.rglob("*") if p.is_file() and p.name != STAGING_MARKER):
         relative = path.relative_to(work).as_posix()
         role = _role_of(relative, drafter_graph)
         rows.append(Artefact(path=relative, sha256=sha256_file(path), bytes=path.stat().st_size, role=role,
@@ -232,23 +240,10 @@ def _quantize(pair: ModelPair, mode: str, work: Path) -> tuple[ModelPair, Quanti
     return ModelPair(plain.eval(), pair.draft, pair.tokenizer, pair.target_path, pair.draft_path), quantization
 
 
-def _atomic_replace(work: Path, out: Path) -> None:
-    """Rename ``work`` to ``out``; an existing ``out`` (``force``) is moved aside first, then deleted."""
-    trash = None
-    if out.exists():
-        trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(out, trash)
-    os.rename(work, out)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
 def build_engine(config: BuildConfig, progress: Progress | None = None) -> BuildReport:
     """Build ``config.out``. Returns the report; ``report.pending`` lists what this machine could not write."""
     out = config.out
-    if out.exists() and not config.force:
-        raise EngineExistsError(f"{out}: already exists; expected a new folder (builds never overwrite silently). "
-                                "Fix: pass --force to replace it, or choose another --out.")
+    check_replaceable(out, config.force)
     began = time.perf_counter()
     steps: list[tuple[str, float]] = []
 
@@ -262,15 +257,15 @@ def build_engine(config: BuildConfig, progress: Progress | None = None) -> Build
             progress("done", name, steps[-1][1])
         return result
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    work.mkdir()
-    try:
-        manifest = _build_into(config, work, step)
-        _atomic_replace(work, out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+    with exit_on_termination():
+        work = stage(out)
+        try:
+            manifest = _build_into(config, work, step)
+            check_replaceable(out, config.force)  # again: something may have appeared there during the build
+            publish(work, out)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return BuildReport(out, manifest, time.perf_counter() - began, peak, steps)
 
