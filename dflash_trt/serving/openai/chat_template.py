@@ -73,10 +73,12 @@ class ChatTemplate:
             return "\n".join(message.text for message in messages)
         conversation = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
                         for m in messages]
+        from jinja2 import TemplateError
+
         try:
             return self._template.render(messages=conversation, add_generation_prompt=True, bos_token="",
                                          eos_token=self.eos_token)
-        except TemplateRefusal as exc:
+        except (TemplateRefusal, TemplateError) as exc:
             raise RequestRefused(f"the chat template refused these messages: {exc}. Fix: send the roles and order "
                                  "this model's template expects.", param="messages") from None
 

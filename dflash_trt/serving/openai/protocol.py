@@ -142,8 +142,8 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
             message = (f"field `{param}` is not supported by this server. Fix: drop `{param}` (see "
                        "docs/serving-openai.md for the fields served).")
         else:
-            message = f"field `{param}` is {first.get('input')!r}: {first['msg']}. Fix: send a value of that type " \
-                      "and range."
+            message = (f"field `{param}` is {first.get('input')!r}; expected: {first['msg'].lower()}. Fix: send a "
+                       "value of that type and range.")
         raise RequestRefused(message, param=param, code="invalid_value") from None
 
 
