@@ -1,19 +1,21 @@
-"""TensorRT-LLM LLM-API bundle (``--backend trtllm``) and a runner for it (serving.md §0, §2).
+"""TensorRT-LLM LLM-API bundle (``--backend trtllm``): what ``trtllm-serve`` and Triton's ``llmapi`` model read.
 
 TensorRT-LLM serves DFlash natively on its PyTorch backend (``DFlashDecodingConfig``,
 ``decoding_type: DFlash``); the legacy engine workflow is gone. The bundle is therefore:
 
 * ``trtllm/llm_api_options.yaml``: ``LLM()`` keyword arguments for ``trtllm-serve <target> --config``,
   ``trtllm-bench --config`` and Triton ``llmapi`` ``model.yaml``: ``max_batch_size``, ``max_seq_len``
-  (set explicitly: the drafter context arena is dense in it), ``max_num_tokens``, ``kv_cache_config`` and
-  ``speculative_config: {decoding_type: DFlash, max_draft_len <= block_len-1, speculative_model,
-  mask_token_id, target_layer_ids}``;
+  (set explicitly: the drafter context arena is dense in it), ``max_num_tokens``, ``kv_cache_config``,
+  ``tensor_parallel_size``/``pipeline_parallel_size`` (``--tp``/``--pp``) and ``speculative_config:
+  {decoding_type: DFlash, max_draft_len <= block_len-1, speculative_model, mask_token_id, target_layer_ids}``,
+  plus any TensorRT-LLM keys the user adds (``--trtllm-options FILE.yaml``, e.g. ``cuda_graph_config``);
 * ``trtllm/target/``: the target as a Hugging Face Llama/Qwen3 folder (llama2.c targets are converted);
 * ``trtllm/draft/``: the drafter in the z-lab format TensorRT-LLM reads.
 
-The YAML is validated against ``LlmApiOptions``, a strict mirror of the documented fields (API
-reference 1.3.0rc27 / 1.4.0rc1). ``TrtLlmRunner`` runs the bundle through ``tensorrt_llm.LLM`` on a GPU
-and reports the same ``SpecStats`` names; it is imported lazily and checks for a GPU first.
+The YAML is validated against ``LlmApiOptions``: the keys this bundle writes are checked strictly (field
+names and rules of TensorRT-LLM's LLM API reference, 1.3.0rc27 / 1.4.0rc1, including its ``draft_len_schedule``
+rules); other top-level keys belong to TensorRT-LLM, which validates them itself, and are passed through.
+``plugins/trtllm/runner.py`` runs a bundle on a GPU.
 """
 
 from __future__ import annotations
@@ -24,14 +26,31 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dflash_trt.builder.hf_config import target_config_json
-from dflash_trt.errors import BackendUnavailableError, EngineFormatError
+from dflash_trt.errors import ConfigError, EngineFormatError, field_error
 
 OPTIONS_FILE = "llm_api_options.yaml"
 MIN_TRTLLM = "1.3.0rc27"
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
+_PASS_THROUGH = ConfigDict(extra="allow", frozen=True)
+FLAG_KEYS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len",
+             "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp"}
+"""Top-level keys the build sets from its flags; a user options file may not override them."""
+DRAFTER_KEYS = {"decoding_type": "DFlash", "speculative_model": "the bundle's drafter",
+                "mask_token_id": "the drafter's config", "target_layer_ids": "the drafter's config",
+                "max_draft_len": "--block-len (max_draft_len = block_len - 1)"}
+"""``speculative_config`` keys fixed by the drafter or by a flag."""
 
 
 class DFlashSpeculativeConfig(BaseModel):
@@ -44,29 +63,115 @@ class DFlashSpeculativeConfig(BaseModel):
     mask_token_id: NonNegativeInt | None = Field(default=None, description="Read from the drafter config if null.")
     target_layer_ids: list[NonNegativeInt] | None = Field(default=None, description="Tapped target layers.")
     max_concurrency: PositiveInt | None = Field(default=None, description="Plain decoding above this batch size.")
-    draft_len_schedule: dict[int, int] | None = Field(default=None, description="batch upper bound -> draft len.")
+    draft_len_schedule: dict[int, int] | None = Field(
+        default=None, description="Batch-size threshold -> draft length; the smallest threshold maps to "
+        "max_draft_len, every length in 0..max_draft_len.")
     acceptance_rate_window_size: NonNegativeInt | None = Field(default=None, description="Rolling window.")
     acceptance_rate_threshold: float | None = Field(default=None, ge=0.0, le=1.0, description="Turn-off threshold.")
     attention_backend: Literal["VANILLA", "TRTLLM", "FA4"] = Field(default="VANILLA", description="Draft attention.")
+    max_total_draft_tokens: PositiveInt | None = Field(default=None, description="Linear DFlash: max_draft_len.")
+    load_format: str | None = Field(default=None, description="Drafter weight loading format.")
+    use_rejection_sampling: bool | None = Field(default=None, description="Rejection sampling for sampled requests.")
+    allow_advanced_sampling: bool | None = Field(default=None, description="Non-greedy sampling with speculation.")
+
+    @field_validator("draft_len_schedule")
+    @classmethod
+    def _schedule_entries(cls, schedule: dict[int, int] | None) -> dict[int, int] | None:
+        if schedule is None:
+            return None
+        if not schedule:
+            raise ValueError("draft_len_schedule is empty; expected at least {1: max_draft_len}")
+        for batch_size, draft_len in schedule.items():
+            if batch_size < 1:
+                raise ValueError(f"draft_len_schedule has batch-size threshold {batch_size}; expected >= 1")
+            if draft_len < 0:
+                raise ValueError(f"draft_len_schedule[{batch_size}] is {draft_len}; expected a draft length >= 0")
+        return dict(sorted(schedule.items()))
+
+    @model_validator(mode="after")
+    def _schedule_agrees_with_max_draft_len(self) -> DFlashSpeculativeConfig:
+        schedule, k = self.draft_len_schedule, self.max_draft_len
+        if schedule is None:
+            return self
+        if self.max_concurrency is not None:
+            raise ValueError("max_concurrency and draft_len_schedule are both set; TensorRT-LLM accepts one of them "
+                             "(max_concurrency is the schedule {N: max_draft_len})")
+        smallest = min(schedule)
+        if schedule[smallest] != k:
+            raise ValueError(f"draft_len_schedule[{smallest}] (its smallest batch size) is {schedule[smallest]}; "
+                             f"expected max_draft_len = {k}, as TensorRT-LLM requires")
+        too_long = {b: d for b, d in schedule.items() if d > k}
+        if too_long:
+            raise ValueError(f"draft_len_schedule has draft lengths {too_long} above max_draft_len = {k}")
+        return self
 
 
 class KvCacheOptions(BaseModel):
-    model_config = _FROZEN
+    """``KvCacheConfig``: the fields the bundle writes; other TensorRT-LLM fields pass through."""
+
+    model_config = _PASS_THROUGH
     free_gpu_memory_fraction: float = Field(gt=0.0, le=1.0, description="Share of free GPU memory for KV blocks.")
     enable_block_reuse: bool = Field(default=True, description="Prefix reuse across requests.")
     dtype: Literal["auto", "fp8"] = Field(default="auto", description="KV-cache dtype.")
 
 
 class LlmApiOptions(BaseModel):
-    """The subset of ``TorchLlmArgs`` the bundle writes (same keys as ``LLM()``)."""
+    """``LLM()`` keyword arguments (``TorchLlmArgs``): the bundle's keys checked; other keys pass through."""
 
-    model_config = _FROZEN
+    model_config = _PASS_THROUGH
     max_batch_size: PositiveInt = Field(description="Largest scheduled batch.")
     max_seq_len: PositiveInt = Field(description="Prompt + output limit; sizes the drafter context arena.")
     max_num_tokens: PositiveInt = Field(description="Tokens per forward across the batch.")
     kv_cache_config: KvCacheOptions = Field(description="KV-cache pool settings.")
+    tensor_parallel_size: PositiveInt = Field(default=1, description="Tensor-parallel ranks (GPUs per stage).")
+    pipeline_parallel_size: PositiveInt = Field(default=1, description="Pipeline-parallel stages.")
     disable_overlap_scheduler: bool = Field(default=False, description="As the speculative examples set it.")
     speculative_config: DFlashSpeculativeConfig = Field(description="DFlash speculation.")
+
+    @model_validator(mode="after")
+    def _no_misplaced_fields(self) -> LlmApiOptions:
+        for key in self.model_extra or {}:
+            for section, model in (("speculative_config", DFlashSpeculativeConfig), ("kv_cache_config", KvCacheOptions)):
+                if key in model.model_fields:
+                    raise ValueError(f"`{key}` is a {section} field; expected it under {section}")
+        return self
+
+    @property
+    def user_keys(self) -> dict[str, Any]:
+        """Top-level keys outside the checked ones, passed to TensorRT-LLM as they are."""
+        return dict(self.model_extra or {})
+
+
+class TrtLlmBuildOptions(BaseModel):
+    """The ``--backend trtllm`` section of a build: parallelism and user-added ``LLM()`` keys."""
+
+    model_config = _FROZEN
+    tensor_parallel_size: PositiveInt = Field(default=1, description="Tensor-parallel ranks (--tp).")
+    pipeline_parallel_size: PositiveInt = Field(default=1, description="Pipeline-parallel stages (--pp).")
+    options_file: Path | None = Field(default=None, description="YAML of TensorRT-LLM LLM() keys merged into the "
+                                      "bundle (--trtllm-options), e.g. cuda_graph_config or a draft_len_schedule.")
+
+    def flags(self) -> list[str]:
+        """The ``dflash-trt build`` flags that reproduce these settings."""
+        parts = [] if self.tensor_parallel_size == 1 else ["--tp", str(self.tensor_parallel_size)]
+        parts += [] if self.pipeline_parallel_size == 1 else ["--pp", str(self.pipeline_parallel_size)]
+        return parts + ([] if self.options_file is None else ["--trtllm-options", str(self.options_file)])
+
+    def extra_options(self) -> dict[str, Any]:
+        """The options file's keys (empty without one); refuses a file that is not a YAML mapping."""
+        if self.options_file is None:
+            return {}
+        source = str(self.options_file)
+        try:
+            loaded = yaml.safe_load(Path(self.options_file).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(f"--trtllm-options {source}: cannot read it as YAML ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else exc!r}). Fix: pass a UTF-8 YAML file of "
+                              "TensorRT-LLM LLM() keys.") from None
+        if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
+            raise field_error(ConfigError, f"--trtllm-options {source}", "(whole file)", type(loaded).__name__,
+                              "a YAML mapping of TensorRT-LLM LLM() keys", "write it as `key: value` lines")
+        return loaded
 
 
 class _BundleRules(BaseModel):
@@ -86,7 +191,9 @@ class _BundleRules(BaseModel):
         return self
 
 
-def validate_options(options: dict[str, Any], drafter_block_size: int, source: str) -> LlmApiOptions:
+def validate_options(options: dict[str, Any], drafter_block_size: int, source: str,
+                     error: type[EngineFormatError | ConfigError] = EngineFormatError,
+                     fix: str = "rebuild the bundle with `dflash-trt build --backend trtllm ...`") -> LlmApiOptions:
     """Validate a bundle YAML dict; refuse naming the field, what was found and what was expected."""
     try:
         parsed = LlmApiOptions.model_validate(options)
@@ -94,9 +201,46 @@ def validate_options(options: dict[str, Any], drafter_block_size: int, source: s
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "options"
-        raise EngineFormatError(f"{source}: field `{where}` is {first.get('input')!r}: {first['msg']}. Fix: rebuild "
-                                "the bundle with `dflash-trt build --backend trtllm ...`.") from None
+        raise error(f"{source}: field `{where}` is {first.get('input')!r}: {first['msg']}. Fix: {fix}.") from None
     return parsed
+
+
+def check_parallelism(pair, tp: int, pp: int) -> None:
+    """Refuse a tensor/pipeline split the models cannot take: heads and KV heads (target and drafter) must
+    divide by ``tp``, the target's layers by ``pp``."""
+    models = [("target", pair.target.config)] + ([("drafter", pair.draft.config)] if pair.draft is not None else [])
+    counts = [("--tp", tp, f"the {role}'s {name}", count) for role, cfg in models
+              for name, count in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads))]
+    counts.append(("--pp", pp, "the target's num_layers", pair.target.config.num_layers))
+    for flag, ranks, what, count in counts:
+        if count % ranks:
+            divisors = [d for d in range(1, count + 1) if count % d == 0]
+            raise field_error(ConfigError, "build --backend trtllm", flag, ranks,
+                              f"a divisor of {what} ({count}): one of {divisors}",
+                              f"pass {flag} {max(d for d in divisors if d <= ranks)}")
+
+
+def merge_user_options(options: dict[str, Any], extra: dict[str, Any], source: str) -> dict[str, Any]:
+    """``options`` with the user's TensorRT-LLM keys merged in (``kv_cache_config`` and ``speculative_config``
+    key by key); keys the build derives from its flags or from the drafter are refused."""
+    merged = dict(options)
+    for key, value in extra.items():
+        if key in FLAG_KEYS:
+            raise field_error(ConfigError, source, key, value, f"no `{key}` here: the build sets it",
+                              f"use `dflash-trt build {FLAG_KEYS[key]} ...` instead")
+        if key in ("kv_cache_config", "speculative_config"):
+            if not isinstance(value, dict):
+                raise field_error(ConfigError, source, key, value, "a mapping of TensorRT-LLM fields",
+                                  f"write `{key}:` as a YAML mapping")
+            fixed = [k for k in value if k in DRAFTER_KEYS] if key == "speculative_config" else []
+            if fixed:
+                raise field_error(ConfigError, source, f"speculative_config.{fixed[0]}", value[fixed[0]],
+                                  f"no `{fixed[0]}` here: it comes from {DRAFTER_KEYS[fixed[0]]}",
+                                  f"remove speculative_config.{fixed[0]} from {source}")
+            merged[key] = {**merged.get(key, {}), **value}
+        else:
+            merged[key] = value
+    return merged
 
 
 def _write_hf_target(pair, folder: Path, tokenizer: tuple[str, Path] | None) -> list[str]:
@@ -117,7 +261,8 @@ def _write_hf_target(pair, folder: Path, tokenizer: tuple[str, Path] | None) -> 
             "`--tokenizer DIR` to trtllm-serve or use token-id prompts"]
 
 
-def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer) -> tuple[dict[str, str], list[str]]:
+def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer,
+                 trtllm: TrtLlmBuildOptions | None = None) -> tuple[dict[str, str], list[str]]:
     """Write ``trtllm/`` into ``work`` (paths in the YAML point at ``final``, the folder after the rename).
 
     Returns (checks, pending).
@@ -127,6 +272,9 @@ def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer)
 
     if pair.draft is None:
         raise EngineFormatError("--backend trtllm needs a drafter; got none. Fix: pass --draft DIR.")
+    trtllm = trtllm or TrtLlmBuildOptions()
+    tp, pp = trtllm.tensor_parallel_size, trtllm.pipeline_parallel_size
+    check_parallelism(pair, tp, pp)
     draft = pair.draft.config
     block_len = min(limits.block_len, draft.block_size)
     bundle = work / "trtllm"
@@ -146,20 +294,30 @@ def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer)
         "max_num_tokens": max(limits.max_batch_size * block_len, min(limits.max_seq_len, 8192)),
         "kv_cache_config": {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True,
                             "dtype": "fp8" if quantization.kv_cache_quant_algo == "FP8" else "auto"},
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
         "disable_overlap_scheduler": False,
         "speculative_config": {"decoding_type": "DFlash", "max_draft_len": block_len - 1,
                                "speculative_model": str((final / "trtllm" / "draft").resolve()),
                                "mask_token_id": draft.mask_token_id,
                                "target_layer_ids": list(draft.target_layer_ids)},
     }
+    extra = trtllm.extra_options()
+    if extra:
+        options = merge_user_options(options, extra, "--trtllm-options")
+        validate_options(options, draft.block_size, "--trtllm-options", ConfigError,
+                         "correct that key in the --trtllm-options file")
     validate_options(options, draft.block_size, str(bundle / OPTIONS_FILE))
     target_dir, options_file = (final / "trtllm" / "target").resolve(), (final / "trtllm" / OPTIONS_FILE).resolve()
-    header = (f"# DFlash LLM-API options, written by dflash-trt. Serve with:\n"
-              f"#   trtllm-serve {target_dir} --config {options_file}\n"
+    parallel = f" --tp_size {tp} --pp_size {pp}" if tp * pp > 1 else ""
+    header = (f"# DFlash LLM-API options, written by dflash-trt. Serve with ({tp * pp} GPU(s)):\n"
+              f"#   trtllm-serve {target_dir}{parallel} --config {options_file}\n"
               f"# (TensorRT-LLM >= {MIN_TRTLLM}, PyTorch backend; max_draft_len <= block_size - 1)\n")
     (bundle / OPTIONS_FILE).write_text(header + yaml.safe_dump(options, sort_keys=False))
+    passed = sorted(LlmApiOptions.model_validate(options).user_keys)
     checks = {"trtllm_options": f"validated against the documented DFlashDecodingConfig/TorchLlmArgs fields "
-                                f"(TensorRT-LLM {MIN_TRTLLM})"}
+                                f"(TensorRT-LLM {MIN_TRTLLM}); tp={tp}, pp={pp}"
+                                + (f"; passed through unchecked: {', '.join(passed)}" if passed else "")}
     pending = list(notes)
     if gpu_info() is None:
         pending.append("serving the bundle needs an NVIDIA GPU and TensorRT-LLM >= "
@@ -167,59 +325,3 @@ def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer)
                        "schema-checked. Fix: on a GPU machine run `trtllm-serve <trtllm/target> --config "
                        f"<trtllm/{OPTIONS_FILE}>`")
     return checks, pending
-
-
-class TrtLlmRunner:
-    """Run an engine folder's TRT-LLM bundle with ``tensorrt_llm.LLM`` (GPU only) and report ``SpecStats``."""
-
-    def __init__(self, engine_dir: str | Path) -> None:
-        from dflash_trt.builder.manifest import read_manifest, verify_artefacts
-        from dflash_trt.plugins.tensorrt.device import gpu_info
-
-        folder = Path(engine_dir)
-        manifest = read_manifest(folder)
-        if "trtllm" not in manifest.backends:
-            raise EngineFormatError(f"{folder}: holds no TensorRT-LLM bundle (backends {list(manifest.backends)}). "
-                                    f"Fix: `dflash-trt build --backend trtllm --out {folder} --force`.")
-        verify_artefacts(folder, manifest, {"trtllm_config", "trtllm_target", "trtllm_draft"})
-        if gpu_info() is None:  # before importing tensorrt_llm, which initialises CUDA
-            raise BackendUnavailableError(f"TrtLlmRunner needs an NVIDIA GPU and TensorRT-LLM >= {MIN_TRTLLM}. Fix: "
-                                          "run on a GPU machine, or use Session.load(engine, backend='onnxruntime').")
-        try:
-            from tensorrt_llm import LLM
-            from tensorrt_llm.llmapi import DFlashDecodingConfig, KvCacheConfig
-        except ImportError as exc:
-            raise BackendUnavailableError(f"TrtLlmRunner needs tensorrt_llm >= {MIN_TRTLLM} ({exc}). Fix: pip "
-                                          "install tensorrt_llm on the GPU machine.") from None
-        raw = yaml.safe_load((folder / "trtllm" / OPTIONS_FILE).read_text())
-        options = validate_options(raw, manifest.draft_config.block_size, str(folder / "trtllm" / OPTIONS_FILE))
-        spec = options.speculative_config.model_dump(exclude_none=True)
-        spec.pop("decoding_type")
-        spec["speculative_model"] = str(folder / "trtllm" / "draft")  # the folder may have moved since the build
-        self.manifest = manifest
-        self.llm = LLM(model=str(folder / "trtllm" / "target"), speculative_config=DFlashDecodingConfig(**spec),
-                       kv_cache_config=KvCacheConfig(**options.kv_cache_config.model_dump()),
-                       max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len,
-                       max_num_tokens=options.max_num_tokens,
-                       disable_overlap_scheduler=options.disable_overlap_scheduler)
-
-    def generate(self, prompt_ids: list[int], params):
-        """One request -> ``(token_ids, SpecStats)``; draft counters come from TRT-LLM's per-request metrics."""
-        from tensorrt_llm import SamplingParams as TrtLlmSamplingParams
-
-        from dflash_trt.runtime.stats import SpecStats
-
-        sampling = TrtLlmSamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature or None,
-                                        top_p=params.top_p, top_k=params.top_k or None, seed=params.seed,
-                                        return_perf_metrics=True)
-        output = self.llm.generate([prompt_ids], sampling, use_tqdm=False)[0].outputs[0]
-        stats = SpecStats(num_prompt_tokens=len(prompt_ids), num_output_tokens=len(output.token_ids))
-        # Perf-metric names of TRT-LLM 1.3/1.4 (Triton `return_perf_metrics` outputs, serving.md §6.2); not
-        # verifiable on CPU machines, hence the tolerant lookups.
-        metrics = getattr(getattr(output, "request_perf_metrics", None), "speculative_decoding", None)
-        if metrics is not None:
-            stats.num_draft_tokens = int(metrics.total_draft_tokens)
-            stats.num_accepted_tokens = int(metrics.total_accepted_draft_tokens)
-            k = self.manifest.dflash.draft_len if self.manifest.dflash else 1
-            stats.num_drafts = stats.num_draft_tokens // max(k, 1)
-        return list(output.token_ids), stats

@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Callable, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 from safetensors.torch import save_file
 
 import dflash_trt
+from dflash_trt.builder.bundle_trtllm import TrtLlmBuildOptions
 from dflash_trt.builder.load import embedded_draft_path, embedded_target_path, load_pair
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.builder.manifest import (
@@ -86,6 +87,14 @@ class BuildConfig(BaseModel):
     drafter_graph: Literal["standard", "plugin"] = Field(
         default="standard", description="Drafter graph ONNX Runtime runs: standard ops (fast) or plugin nodes.")
     force: bool = Field(default=False, description="Replace an existing engine folder (never other files).")
+    trtllm: TrtLlmBuildOptions = Field(default_factory=TrtLlmBuildOptions,
+                                       description="--backend trtllm only: --tp, --pp and --trtllm-options.")
+
+    @model_validator(mode="after")
+    def _trtllm_options_need_trtllm(self) -> BuildConfig:
+        if self.backend != "trtllm" and self.trtllm != TrtLlmBuildOptions():
+            raise ValueError(f"--tp, --pp and --trtllm-options apply to --backend trtllm; got --backend {self.backend}")
+        return self
 
     def __init__(self, **fields: object) -> None:
         """Validate the request; a bad field raises ``ConfigError`` naming it."""
@@ -109,7 +118,7 @@ class BuildConfig(BaseModel):
             parts += ["--block-len", str(self.block_len)]
         if self.drafter_graph != "standard":
             parts += ["--drafter-graph", self.drafter_graph]
-        return shlex.join(parts + ["--force"])
+        return shlex.join(parts + self.trtllm.flags() + ["--force"])
 
 
 @dataclass
@@ -322,7 +331,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
         from dflash_trt.builder import bundle_trtllm
 
         trt_checks, trt_pending = step("write TensorRT-LLM bundle", lambda: bundle_trtllm.write_bundle(
-            work, config.out, pair, quantization, limits, tokenizer))
+            work, config.out, pair, quantization, limits, tokenizer, config.trtllm))
         checks.update(trt_checks)
         pending += trt_pending
         backends.append("trtllm")
