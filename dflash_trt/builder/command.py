@@ -82,12 +82,14 @@ def build_command(target, draft, out, backend, quant, max_batch_size, max_seq_le
         click.echo(json.dumps(summary))
     else:
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(title=f"{report.folder}  (backends: {', '.join(manifest.backends)})", title_justify="left")
+        # Text, not markup: the folder is the user's path and may hold brackets
+        table = Table(title=Text(f"{report.folder}  (backends: {', '.join(manifest.backends)})"), title_justify="left")
         for column in ("artefact", "role", "size"):
             table.add_column(column, justify="right" if column == "size" else "left")
         for artefact in manifest.artefacts:
-            table.add_row(artefact.path, artefact.role, _size(artefact.bytes))
+            table.add_row(Text(artefact.path), artefact.role, _size(artefact.bytes))
         Console(highlight=False).print(table)
         total = sum(a.bytes for a in manifest.artefacts)
         click.echo(f"total {_size(total)} in {len(manifest.artefacts)} files; build {report.seconds:.1f} s; "

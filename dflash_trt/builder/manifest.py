@@ -7,6 +7,10 @@ tokenizer, the quantization, every artefact with its sha256 and the backends tha
 versions, the plugin schema stamps and, for TensorRT plans, the GPU compute capability and TensorRT
 version. ``read_manifest`` gates on ``format``/``format_version`` *before* validating the rest, so a
 folder written by a newer release is refused with both versions named, never half-understood.
+
+Every path in a manifest is relative to the engine folder and must stay inside it: absolute paths and
+``..`` are refused when the manifest is read, and ``artefact_file`` resolves symbolic links before any
+file is opened, so a manifest can never make the runtime read (or hash) a file outside its folder.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError,
+                      model_validator)
 
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import EngineFormatError, IncompatibleEngineError
@@ -30,6 +35,20 @@ _FROZEN = ConfigDict(extra="forbid", frozen=True)
 
 BackendName = Literal["torch", "onnxruntime", "tensorrt", "trtllm"]
 QuantName = Literal["none", "fp8", "nvfp4"]
+
+
+def _inside_folder(path: str) -> str:
+    """An engine-relative path: '/'-separated, not absolute, no '..', '.' or empty parts, no backslash."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or "\\" in path or any(part in ("", ".", "..") for part in parts) \
+            or (len(parts[0]) == 2 and parts[0][1] == ":"):
+        raise ValueError("expected a '/'-separated path inside the engine folder (not absolute, no '..')")
+    return path
+
+
+EnginePath = Annotated[str, AfterValidator(_inside_folder)]
+"""A path relative to the engine folder that cannot leave it (symbolic links are checked by ``artefact_file``)."""
+
 ArtefactRole = Literal["target_weights", "draft_weights", "tokenizer", "target_graph", "draft_graph",
                        "draft_graph_plugin", "graph_weights", "target_plan", "draft_plan", "plugin_library",
                        "plugin_source", "trtllm_config", "trtllm_target", "trtllm_draft", "quant_config",
@@ -48,7 +67,7 @@ class Artefact(BaseModel):
     """One file of the engine folder."""
 
     model_config = _FROZEN
-    path: str = Field(description="Path relative to the engine folder, '/'-separated.")
+    path: EnginePath = Field(description="Path relative to the engine folder, '/'-separated, inside it.")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes.")
     bytes: NonNegativeInt = Field(description="File size.")
     role: ArtefactRole = Field(description="What the file holds.")
@@ -75,7 +94,8 @@ class TensorRTStamp(BaseModel):
     gpu_name: str = Field(description="GPU the plans were built on.")
     cuda_version: str | None = Field(default=None, description="CUDA runtime version at build time.")
     strongly_typed: bool = Field(description="Networks were created strongly typed.")
-    plugin_library: str | None = Field(default=None, description="Engine-relative path of the plugin .so.")
+    plugin_library: EnginePath | None = Field(default=None, description="Engine-relative path of the plugin .so "
+                                              "(one of the artefacts).")
     plugin_library_sha256: str | None = Field(default=None, description="sha256 of the plugin library (its ABI).")
     profiles: dict[str, dict[str, list[list[int]]]] = Field(
         description="Optimisation profiles: graph -> input -> [min, opt, max] shapes.")
@@ -119,7 +139,7 @@ class DFlashSettings(BaseModel):
 class TokenizerRecord(BaseModel):
     model_config = _FROZEN
     kind: Literal["llama2c", "hf"] = Field(description="llama2.c tokenizer.bin or HF tokenizer.json.")
-    path: str = Field(description="Engine-relative path of the tokenizer file.")
+    path: EnginePath = Field(description="Engine-relative path of the tokenizer file (one of the artefacts).")
 
 
 class Manifest(BaseModel):
@@ -146,6 +166,17 @@ class Manifest(BaseModel):
     checks: dict[str, str] = Field(default_factory=dict, description="Build-time checks and their outcome.")
     pending: tuple[str, ...] = Field(default=(), description="What this build could not write here, and why.")
 
+    @model_validator(mode="after")
+    def _paths_are_artefacts(self) -> Manifest:
+        """The tokenizer and plugin library are artefacts too, so their sha256 and location are checked."""
+        listed = {artefact.path for artefact in self.artefacts}
+        named = {"tokenizer.path": self.tokenizer.path if self.tokenizer else None,
+                 "tensorrt.plugin_library": self.tensorrt.plugin_library if self.tensorrt else None}
+        for field, path in named.items():
+            if path is not None and path not in listed:
+                raise ValueError(f"{field} {path!r} is not one of the artefacts; expected a listed, hashed file")
+        return self
+
     def artefact(self, role: str) -> Artefact | None:
         return next((a for a in self.artefacts if a.role == role), None)
 
@@ -168,6 +199,9 @@ def rebuild_hint(raw: dict) -> str:
 def read_manifest(folder: Path) -> Manifest:
     """Parse and validate ``folder/manifest.json``: format, version gate, then the strict schema."""
     path = folder / MANIFEST_NAME
+    if path.is_symlink() and not path.resolve().is_relative_to(folder.resolve()):
+        raise EngineFormatError(f"{path}: is a symbolic link to {path.resolve()}, outside the engine folder; expected "
+                                "the folder's own manifest. Fix: copy the engine with links dereferenced (cp -rL).")
     if not folder.is_dir():
         raise EngineFormatError(f"{folder}: is not a folder; expected an engine folder written by `dflash-trt build`. "
                                 "Fix: pass the folder given as --out to the build.")
@@ -205,12 +239,26 @@ def write_manifest(folder: Path, manifest: Manifest) -> Path:
     return path
 
 
+def artefact_file(folder: Path, relative: str, rebuild: str) -> Path:
+    """``folder / relative`` once symbolic links are resolved, refused if it lies outside ``folder``."""
+    path = folder / relative
+    resolved = path.resolve()
+    if not resolved.is_relative_to(folder.resolve()):
+        raise EngineFormatError(f"{path}: artefact `{relative}` resolves to {resolved}, outside the engine folder; "
+                                "expected every file of an engine inside its folder (a symbolic link may not point "
+                                f"out). Fix: rebuild the engine with `{rebuild}`, or copy it with links dereferenced "
+                                "(cp -rL).")
+    return path
+
+
 def verify_artefacts(folder: Path, manifest: Manifest, roles: set[str] | None = None) -> None:
-    """Recompute the sha256 of every artefact (or those with ``roles``); refuse naming the first bad file."""
+    """Recompute the sha256 of every artefact (or those with ``roles``); refuse naming the first bad file.
+    Every artefact's location is checked before any file is opened."""
+    paths = {a.path: artefact_file(folder, a.path, manifest.build.command) for a in manifest.artefacts}
     for artefact in manifest.artefacts:
         if roles is not None and artefact.role not in roles:
             continue
-        path = folder / artefact.path
+        path = paths[artefact.path]
         if not path.is_file():
             raise EngineFormatError(f"{path}: missing; the manifest lists `{artefact.path}` ({artefact.role}). "
                                     f"Fix: rebuild the engine with `{manifest.build.command}`.")

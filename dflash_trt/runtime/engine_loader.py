@@ -9,6 +9,7 @@ expected, and the rebuild command recorded in the manifest.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from dflash_trt.builder.load import load_draft
 from dflash_trt.model.pair import ModelPair
-from dflash_trt.builder.manifest import Manifest, read_manifest, verify_artefacts
+from dflash_trt.builder.manifest import Manifest, artefact_file, read_manifest, verify_artefacts
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
 from dflash_trt.model.target import TargetModel
 from dflash_trt.plugins.schema import SCHEMAS
@@ -40,7 +41,7 @@ class LoadedEngine:
         if artefact is None:
             raise EngineFormatError(f"{self.folder}: manifest has no `{role}` artefact; expected one for backend "
                                     f"{self.backend!r}. Fix: rebuild with `{self.manifest.build.command}`.")
-        return self.folder / artefact.path
+        return artefact_file(self.folder, artefact.path, self.manifest.build.command)
 
     @property
     def target_graph(self) -> Path:
@@ -117,7 +118,8 @@ def _load_target(folder: Path, manifest: Manifest) -> TargetModel:
         raise EngineFormatError(f"{folder}: manifest lists no `target_weights` artefact; expected torch/target."
                                 f"safetensors. Fix: rebuild with `{manifest.build.command}`.")
     model = TargetModel(manifest.target_config)
-    load_checked(model, read_tensors([folder / artefact.path]), str(folder / artefact.path))
+    path = artefact_file(folder, artefact.path, manifest.build.command)
+    load_checked(model, read_tensors([path]), str(path))
     return model.eval()
 
 
@@ -127,11 +129,15 @@ def _load_tokenizer(folder: Path, manifest: Manifest):
     record = manifest.tokenizer
     if record is None:
         return None
-    return (Llama2cTokenizer if record.kind == "llama2c" else HFTokenizer)(folder / record.path)
+    return (Llama2cTokenizer if record.kind == "llama2c" else HFTokenizer)(
+        artefact_file(folder, record.path, manifest.build.command))
 
 
 def load_engine(folder: str | Path, backend: str = "auto") -> LoadedEngine:
     """Verify ``folder`` and rebuild its pair (float32) for ``backend`` (``auto`` = fastest runnable here)."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise EngineFormatError(f"engine folder is {folder!r}; expected a path (str or Path). Fix: pass the folder "
+                                "given as --out to `dflash-trt build`.")
     folder = Path(folder)
     manifest = read_manifest(folder)
     name = resolve_backend(manifest, backend, folder)
@@ -141,7 +147,7 @@ def load_engine(folder: str | Path, backend: str = "auto") -> LoadedEngine:
     draft = None
     draft_artefact = manifest.artefact("draft_weights")
     if manifest.draft_config is not None and draft_artefact is not None:
-        draft_dir = (folder / draft_artefact.path).parent
+        draft_dir = artefact_file(folder, draft_artefact.path, manifest.build.command).parent
         draft = load_draft(draft_dir, torch.float32)
     pair = ModelPair(target, draft, _load_tokenizer(folder, manifest), folder, folder if draft else None)
     return LoadedEngine(folder, manifest, name, pair)

@@ -76,6 +76,7 @@ class Session:
     def __init__(self, pair: ModelPair, *, backend: str = "torch", max_seq_len: int | None = None,
                  engine=None, max_batch: int = 1, speculation: SpeculationConfig | None = None,
                  device: str = "cpu") -> None:
+        _check_session_settings(max_seq_len, max_batch, speculation)
         limit = pair.target.config.max_position_embeddings
         if pair.draft is not None:  # the drafter's RoPE table covers its own max_position_embeddings
             limit = min(limit, pair.draft.config.max_position_embeddings)
@@ -122,6 +123,7 @@ class Session:
         artefact, device, TensorRT version, plugin ABI). ``auto`` = the fastest backend it holds that runs here."""
         from dflash_trt.runtime.engine_loader import load_engine
 
+        _check_session_settings(max_seq_len, max_batch, speculation)
         engine = load_engine(engine_dir, backend)
         if max_seq_len is not None and max_seq_len > engine.max_seq_len:
             raise RequestError(f"max_seq_len is {max_seq_len}; expected <= {engine.max_seq_len}, the engine's "
@@ -254,6 +256,17 @@ class Session:
     def close(self) -> None:
         """Stop the worker after the requests already submitted."""
         self._scheduler.close()
+
+
+def _check_session_settings(max_seq_len: object, max_batch: object, speculation: object) -> None:
+    """Session construction arguments: positive ints and a SpeculationConfig, refused before anything is allocated."""
+    for name, value in (("max_seq_len", max_seq_len), ("max_batch", max_batch)):
+        if (value is not None or name == "max_batch") and (type(value) is not int or value < 1):
+            raise RequestError(f"{name} is {value!r}; expected a positive integer. Fix: pass a whole number >= 1"
+                               f"{' or None (the model limit)' if name == 'max_seq_len' else ''}.")
+    if speculation is not None and not isinstance(speculation, SpeculationConfig):
+        raise RequestError(f"speculation is {speculation!r}; expected a SpeculationConfig or None. Fix: pass "
+                           "SpeculationConfig(mode='auto') (or mode='static').")
 
 
 def _token_id(token: object, position: int) -> int:

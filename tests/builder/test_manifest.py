@@ -94,3 +94,37 @@ def test_tensorrt_without_plans_is_unavailable_and_names_the_gpu_need(engine_cop
 def test_not_an_engine_folder(tmp_path):
     with pytest.raises(EngineFormatError, match="manifest.json: not found"):
         Session.load(tmp_path)
+
+
+@pytest.mark.parametrize("bad_path", ["../../../etc/hostname", "/etc/hostname", "torch/../../outside.bin",
+                                      "C:/Windows/win.ini", "tokenizer\\tok512.bin"])
+def test_an_artefact_path_leaving_the_engine_folder_is_refused(engine_copy, bad_path):
+    def point_outside(raw):
+        raw["artefacts"][0]["path"] = bad_path
+
+    _edit_manifest(engine_copy, point_outside)
+    with pytest.raises(EngineFormatError, match=r"field `artefacts\.0\.path`.*inside the engine folder.*Fix: rebuild"):
+        Session.load(engine_copy)
+
+
+def test_a_symbolic_link_pointing_out_of_the_engine_folder_is_refused(engine_copy, tmp_path):
+    inside = engine_copy / "tokenizer" / "tok512.bin"
+    outside = tmp_path / "elsewhere" / "tok512.bin"
+    outside.parent.mkdir()
+    shutil.copy(inside, outside)  # the same bytes: only the location is wrong
+    inside.unlink()
+    inside.symlink_to(outside)
+    with pytest.raises(EngineFormatError, match=r"artefact `tokenizer/tok512.bin` resolves to .*outside the engine"):
+        Session.load(engine_copy)
+    inside.unlink()
+    shutil.copy(outside, inside)
+    assert Session.load(engine_copy).engine.backend == "torch"  # the same bytes inside the folder load
+
+
+def test_the_tokenizer_must_be_one_of_the_hashed_artefacts(engine_copy):
+    _edit_manifest(engine_copy, lambda raw: raw["tokenizer"].update(path="torch/draft/config.json/../x"))
+    with pytest.raises(EngineFormatError, match=r"field `tokenizer\.path`"):
+        Session.load(engine_copy)
+    _edit_manifest(engine_copy, lambda raw: raw["tokenizer"].update(path="tokenizer/other.bin"))
+    with pytest.raises(EngineFormatError, match="is not one of the artefacts"):
+        Session.load(engine_copy)
