@@ -21,8 +21,10 @@ Examples:
   dflash-trt train --out drafters/stories-b16
   dflash-trt train --out drafters/stories-b8 --block-len 8 --layers 2 --steps 3000
   dflash-trt train --out drafters/stories-b16 --steps 3000 --resume
+  torchrun --standalone --nproc-per-node 2 -m dflash_trt train --out drafters/ddp --global-batch 16 --steps 20
   dflash-trt train --target ./qwen3-tiny --prompts p.jsonl --num-openings 0 --mask-token-id 0 --epochs 2 --out tiny
   dflash-trt train --out drafters/taps --layers 2 --target-layer-ids 1,3 --seed 7
+  dflash-trt train --out drafters/kl --init-draft drafters/stories-b16 --kl-weight 1 --lr 2e-3 --steps 3000
 """
 
 _EVAL_EXAMPLES = """
@@ -81,10 +83,19 @@ def build_train_config(**fields: object):
 @click.option("--epochs", type=float, help="Passes over the distilled data (instead of --steps).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of data, init, batches and anchors.")
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="Peak AdamW learning rate.")
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per step.")
+@click.option("--batch-size", type=int, default=8, show_default=True,
+              help="Sequences per forward on each rank (the micro-batch).")
+@click.option("--global-batch", type=int, help="Sequences per optimiser step over all ranks (gradient accumulation "
+              "reaches it). Default: --batch-size x ranks.")
 @click.option("--max-anchors", type=int, default=32, show_default=True, help="Blocks per sequence and step.")
 @click.option("--labels", type=click.Choice(["data", "target"]), default="data", show_default=True,
               help="Slot labels: the data tokens, or the target's argmax after the true prefix.")
+@click.option("--kl-weight", type=float, default=0.0, show_default=True,
+              help="Share of the soft-label KL to the target's full distribution (1 = KL only, 0 = hard CE only).")
+@click.option("--kl-temperature", type=float, default=1.0, show_default=True,
+              help="Temperature of the soft labels and the drafter's distribution in the KL.")
+@click.option("--init-draft", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Start from this drafter (fine-tuning) instead of a fresh initialisation.")
 @click.option("--num-openings", type=int, default=2000, show_default=True,
               help="Openings sampled from the target and continued greedily.")
 @click.option("--num-sampled", type=int, default=0, show_default=True,
@@ -94,32 +105,48 @@ def build_train_config(**fields: object):
               help="Sampling temperature of openings and sampled sequences (continuations are greedy).")
 @click.option("--top-p", type=float, default=1.0, show_default=True,
               help="Nucleus mass of openings and sampled sequences.")
+@click.option("--eval-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Prompts of the final held-out τ. Default: the held-out TinyStories for the embedded target.")
+@click.option("--eval-max-new-tokens", type=int, default=256, show_default=True,
+              help="New tokens per evaluation prompt.")
 @click.option("--checkpoint-every", type=int, default=200, show_default=True, help="Steps between checkpoints.")
-@click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads.")
-@click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/state.pt (same flags as before).")
+@click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads per rank.")
+@click.option("--fsdp", is_flag=True, help="Shard the drafter and its optimiser state across ranks (FSDP) instead "
+              "of replicating them (DDP).")
+@click.option("--bf16", is_flag=True, help="bf16 autocast on CUDA (weights and optimiser state stay float32).")
+@click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/state.pt (same flags and global batch; "
+              "any number of ranks).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a summary.")
 def train_command(target, out, prompts, block_len, layers, intermediate_size, target_layer_ids, mask_token_id,
-                  steps, epochs, seed, lr, batch_size, max_anchors, labels, num_openings, num_sampled, max_new_tokens,
-                  temperature, top_p, checkpoint_every, threads, resume, as_json) -> None:
+                  steps, epochs, seed, lr, batch_size, global_batch, max_anchors, labels, kl_weight, kl_temperature,
+                  init_draft, num_openings, num_sampled, max_new_tokens, temperature, top_p, eval_prompts,
+                  eval_max_new_tokens, checkpoint_every,
+                  threads, fsdp, bf16, resume, as_json) -> None:
     """Distil a DFlash drafter from a target by self-distillation (the target writes its own training data)."""
     import json
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dflash_trt.training.run import train
+    from dflash_trt.training.world import torchrun_env
 
     config = build_train_config(
         target=target, out=out, block_len=block_len, layers=layers, intermediate_size=intermediate_size,
         target_layer_ids=parse_layer_ids(target_layer_ids),
         mask_token_id=mask_token_id, steps=steps, epochs=epochs, seed=seed, lr=lr, batch_size=batch_size,
-        max_anchors=max_anchors, labels=labels, checkpoint_every=checkpoint_every, threads=threads,
+        global_batch=global_batch, fsdp=fsdp, bf16=bf16, eval_prompts=eval_prompts,
+        eval_max_new_tokens=eval_max_new_tokens,
+        max_anchors=max_anchors, labels=labels, kl_weight=kl_weight, kl_temperature=kl_temperature,
+        init_draft=init_draft, checkpoint_every=checkpoint_every, threads=threads,
         data={"prompts": prompts, "num_openings": num_openings, "num_sampled": num_sampled,
               "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p})
     command = shlex.join(["dflash-trt", "train", *sys.argv[2:]]) if len(sys.argv) > 1 else "dflash-trt train"
+    env = torchrun_env()
+    is_main = env is None or env["RANK"] == 0  # rank 0 alone shows progress and the summary
     recent: list[float] = []
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn())
-    with Progress(*columns, transient=True, disable=as_json) as bar:
+    with Progress(*columns, transient=True, disable=as_json or not is_main) as bar:
         task = bar.add_task("train", total=None, info="generating data")
 
         def on_step(metrics, total: int) -> None:
@@ -129,6 +156,8 @@ def train_command(target, out, prompts, block_len, layers, intermediate_size, ta
                        info=f"loss {metrics.loss:.3f}  τ≈{sum(recent) / len(recent):.2f}  lr {metrics.lr:.1e}")
 
         result = train(config, resume=resume, command=command, on_step=on_step)
+    if not is_main:
+        return
     summary = {"out": str(result.out), "steps": result.steps, "final_loss": result.final_loss,
                "final_tau_estimate": result.final_tau_estimate, "data_hash": result.data_hash,
                "heldout_tau": result.eval_report.tau if result.eval_report else None}

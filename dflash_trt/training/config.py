@@ -64,7 +64,10 @@ class TrainConfig(BaseModel):
     epochs: PositiveFloat | None = Field(default=None, description="Passes over the data (exclusive with `steps`).")
     seed: int = Field(default=0, description="Seed of data generation, initialisation, batches and anchors.")
     lr: PositiveFloat = Field(default=3e-3, description="Peak AdamW learning rate.")
-    batch_size: PositiveInt = Field(default=8, description="Sequences per optimiser step.")
+    batch_size: PositiveInt = Field(default=8, description="Sequences per forward on each rank (the micro-batch).")
+    global_batch: PositiveInt | None = Field(default=None, description="Sequences per optimiser step over all "
+                                             "ranks; gradients of global_batch / (ranks x batch_size) micro-batches "
+                                             "are accumulated. None = batch_size x ranks.")
     max_anchors: int = Field(default=32, ge=1, le=512, description="Anchors (blocks) per sequence and step.")
     warmup_ratio: float = Field(default=0.04, ge=0.0, lt=1.0, description="Fraction of steps of linear warm-up.")
     min_lr_ratio: float = Field(default=0.05, ge=0.0, le=1.0, description="Final learning rate / peak (cosine).")
@@ -74,6 +77,14 @@ class TrainConfig(BaseModel):
                                         "B=8, 1 + 3B/8 otherwise.")
     labels: Literal["data", "target"] = Field(default="data", description="Slot labels: `data` = the sequence's "
                                               "tokens; `target` = the target's argmax after the true prefix.")
+    kl_weight: float = Field(default=0.0, ge=0.0, le=1.0, description="Share of the soft-label objective: the "
+                             "slot-weighted KL from the target's full distribution (1 = KL only, 0 = hard-label CE "
+                             "only); what drafters for sampled serving need.")
+    kl_temperature: PositiveFloat = Field(default=1.0, description="Temperature of the soft labels and of the "
+                                          "drafter's distribution in the KL (the serving temperature, or 1 for "
+                                          "the target's own distribution).")
+    init_draft: Path | None = Field(default=None, description="Drafter folder (z-lab format) to start from instead "
+                                    "of a fresh initialisation (fine-tuning); its shape must match these flags.")
     data: DataConfig = Field(default_factory=DataConfig, description="Self-distillation data settings.")
     checkpoint_every: PositiveInt = Field(default=200, description="Steps between resumable checkpoints.")
     eval_prompts: Path | None = Field(default=None, description="Prompts for the final τ; None = the held-out "
@@ -81,7 +92,12 @@ class TrainConfig(BaseModel):
     eval_max_new_tokens: PositiveInt = Field(default=256, description="New tokens per evaluation prompt (greedy).")
     cache_dir: Path | None = Field(default=None, description="Data cache folder; None = "
                                    "$XDG_CACHE_HOME/dflash-trt/distill (or ~/.cache/...).")
-    threads: PositiveInt = Field(default=1, description="torch CPU threads.")
+    threads: PositiveInt = Field(default=1, description="torch CPU threads (per rank).")
+    fsdp: bool = Field(default=False, description="Shard the drafter's weights, gradients and optimiser state "
+                       "across ranks (FSDP) instead of replicating them (DDP); for drafters that do not fit one "
+                       "device.")
+    bf16: bool = Field(default=False, description="bf16 autocast for the target and drafter forwards on CUDA "
+                       "(weights and optimiser state stay float32).")
 
     @model_validator(mode="after")
     def _check_length(self) -> TrainConfig:
@@ -90,10 +106,14 @@ class TrainConfig(BaseModel):
                              "Fix: pass only --steps or only --epochs.")
         return self
 
-    def total_steps(self, num_sequences: int) -> int:
-        """``steps``, or ``ceil(epochs * sequences / batch_size)``; 1000 steps when neither is set."""
+    def resolved_global_batch(self, world_size: int) -> int:
+        """Sequences per optimiser step: ``global_batch``, or ``batch_size`` on each of ``world_size`` ranks."""
+        return self.global_batch if self.global_batch is not None else self.batch_size * world_size
+
+    def total_steps(self, num_sequences: int, world_size: int = 1) -> int:
+        """``steps``, or ``ceil(epochs * sequences / global batch)``; 1000 steps when neither is set."""
         if self.steps is not None:
             return self.steps
         if self.epochs is not None:
-            return max(1, math.ceil(self.epochs * num_sequences / self.batch_size))
+            return max(1, math.ceil(self.epochs * num_sequences / self.resolved_global_batch(world_size)))
         return 1000

@@ -3,11 +3,13 @@
 The drafter must predict what the *target* will say, so the target generates the training
 sequences itself, in its own vocabulary. Prompts of equal length are generated together in one
 batch with the target's static KV cache; each sequence ends at the first stop token (kept),
-exactly where the serving loop would stop.
+exactly where the serving loop would stop. Generation is split into chunks of rows, each with its own
+seeded generator, so ranks can share the work and still produce the single-process corpus.
 """
 
 from __future__ import annotations
 
+import hashlib
 from itertools import groupby
 
 import torch
@@ -51,6 +53,45 @@ def cut_at_stop(ids: list[int], start: int, stop_ids: frozenset[int]) -> list[in
     return ids
 
 
+def chunk_seed(seed: int, chunk: int) -> int:
+    """Seed of chunk ``chunk``'s generator: ``seed`` for chunk 0, a sha256-derived 63-bit value otherwise.
+
+    Each chunk of rows draws from its own generator, so any process can generate any chunk and the
+    corpus is the same whichever rank made which chunk (rank-sharded generation)."""
+    if chunk == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/{chunk}".encode()).digest()[:8], "little") >> 1
+
+
+def continuation_chunks(prompts: list[list[int]]) -> list[list[int]]:
+    """Prompt indices grouped into generation chunks: equal lengths, at most ``_BATCH_ROWS`` rows, shortest first."""
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    chunks: list[list[int]] = []
+    for _, group in groupby(by_length, key=lambda i: len(prompts[i])):
+        indices = list(group)
+        chunks += [indices[first:first + _BATCH_ROWS] for first in range(0, len(indices), _BATCH_ROWS)]
+    return chunks
+
+
+def continue_prompts(target: TargetModel, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int = 0, rank: int = 0, world_size: int = 1) -> dict[int, list[int]]:
+    """The continuations of this rank's chunks (chunk ``c`` belongs to rank ``c % world_size``), by prompt index.
+
+    See :func:`self_distill_sequences`; the union over all ranks is the single-process result.
+    """
+    stop_ids = frozenset(target.config.eos_token_ids)
+    results: dict[int, list[int]] = {}
+    for number, chunk in enumerate(continuation_chunks(prompts)):
+        if number % world_size != rank:
+            continue
+        generator = torch.Generator().manual_seed(chunk_seed(seed, number))
+        batch = torch.tensor([prompts[i] for i in chunk], dtype=torch.long)
+        generated = generate_batch(target, batch, max_new_tokens, temperature, top_p, generator)
+        for row, index in enumerate(chunk):
+            results[index] = cut_at_stop(generated[row].tolist(), len(prompts[index]), stop_ids)
+    return results
+
+
 def self_distill_sequences(target: TargetModel, prompts: list[list[int]], *, max_new_tokens: int,
                            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
     """Each prompt followed by the target's own continuation (greedy when ``temperature == 0``, else
@@ -58,33 +99,38 @@ def self_distill_sequences(target: TargetModel, prompts: list[list[int]], *, max
 
     Deterministic for a given ``seed``; the order of the result follows ``prompts``.
     """
-    stop_ids = frozenset(target.config.eos_token_ids)
-    generator = torch.Generator().manual_seed(seed)
-    results: list[list[int] | None] = [None] * len(prompts)
-    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    for _, group in groupby(by_length, key=lambda i: len(prompts[i])):
-        indices = list(group)
-        for first in range(0, len(indices), _BATCH_ROWS):
-            chunk = indices[first:first + _BATCH_ROWS]
-            batch = torch.tensor([prompts[i] for i in chunk], dtype=torch.long)
-            generated = generate_batch(target, batch, max_new_tokens, temperature, top_p, generator)
-            for row, index in enumerate(chunk):
-                results[index] = cut_at_stop(generated[row].tolist(), len(prompts[index]), stop_ids)
-    return [ids for ids in results if ids is not None]
+    found = continue_prompts(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                             seed=seed)
+    return [found[i] for i in range(len(prompts))]
+
+
+def opening_chunks(count: int, min_tokens: int, max_tokens: int) -> list[tuple[int, int, int]]:
+    """Chunks of :func:`sample_openings` as ``(first, rows, length)``: openings ``first .. first+rows-1`` have
+    ``length`` sampled tokens; lengths cycle through ``min_tokens .. max_tokens`` and are grouped, shortest first."""
+    lengths = [min_tokens + i % (max_tokens - min_tokens + 1) for i in range(count)]
+    chunks, first = [], 0
+    for length in sorted(set(lengths)):
+        rows = lengths.count(length)
+        for start in range(0, rows, _BATCH_ROWS):
+            size = min(_BATCH_ROWS, rows - start)
+            chunks.append((first, size, length))
+            first += size
+    return chunks
 
 
 def sample_openings(target: TargetModel, count: int, min_tokens: int, max_tokens: int, temperature: float,
-                    top_p: float, seed: int) -> list[list[int]]:
-    """``count`` story openings: BOS followed by ``k`` tokens sampled from the target, ``k`` cycling through
-    ``min_tokens .. max_tokens`` so every length is equally represented. Deterministic for a given seed."""
+                    top_p: float, seed: int, rank: int = 0, world_size: int = 1) -> dict[int, list[int]]:
+    """Story openings by index: BOS followed by ``k`` tokens sampled from the target, ``k`` cycling through
+    ``min_tokens .. max_tokens`` so every length is equally represented. Deterministic for a given seed;
+    this rank makes chunks ``c`` with ``c % world_size == rank`` (all of them by default)."""
     bos = target.config.bos_token_id
     assert bos is not None, "caller checks that the target has a BOS token"
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [min_tokens + i % (max_tokens - min_tokens + 1) for i in range(count)]
-    openings: list[list[int]] = []
-    for length in sorted(set(lengths)):
-        rows = lengths.count(length)
-        for first in range(0, rows, _BATCH_ROWS):
-            batch = torch.full((min(_BATCH_ROWS, rows - first), 1), bos, dtype=torch.long)
-            openings += generate_batch(target, batch, length, temperature, top_p, generator).tolist()
+    openings: dict[int, list[int]] = {}
+    for number, (first, rows, length) in enumerate(opening_chunks(count, min_tokens, max_tokens)):
+        if number % world_size != rank:
+            continue
+        generator = torch.Generator().manual_seed(chunk_seed(seed, number))
+        batch = torch.full((rows, 1), bos, dtype=torch.long)
+        for offset, ids in enumerate(generate_batch(target, batch, length, temperature, top_p, generator).tolist()):
+            openings[first + offset] = ids
     return openings

@@ -9,12 +9,13 @@ notebooks. Thread count and progress display belong to the caller.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from dflash_trt.config import DraftConfig
 from dflash_trt.errors import TrainingError
@@ -23,6 +24,10 @@ from dflash_trt.model.target import TargetModel
 from dflash_trt.training.forward import draft_forward_blocks
 from dflash_trt.training.objective import (accepted_prefix, block_labels, block_token_ids, sample_anchors,
                                            slot_weights, weighted_block_loss)
+from dflash_trt.training.parallel import (check_batch_split, full_state_dicts, load_full_state_dicts,
+                                          wrap_data_parallel)
+from dflash_trt.training.soft_labels import soft_label_logits, weighted_block_kl
+from dflash_trt.training.world import World
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,7 @@ class DistillSettings:
     steps: int
     seed: int = 0
     lr: float = 3e-3
-    batch_size: int = 8
+    batch_size: int = 8  # sequences per optimiser step over all ranks (the global batch)
     max_anchors: int = 64  # anchors per sequence and step; the recipe's cap is 512
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.05
@@ -40,11 +45,17 @@ class DistillSettings:
     grad_clip: float = 1.0
     gamma: float | None = None  # slot-weight decay; None = decay_gamma(block_len)
     labels: Literal["data", "target"] = "data"  # see Distiller.batch_loss
+    kl_weight: float = 0.0  # share of the soft-label KL in the loss (soft_labels.py); the rest is the hard-label CE
+    kl_temperature: float = 1.0  # temperature T of the soft labels and of the drafter's distribution in the KL
+    micro_batch: int | None = None  # sequences per forward on each rank; None = batch_size / world size
+    fsdp: bool = False  # shard the drafter with FSDP instead of replicating it with DDP (distributed runs)
+    bf16: bool = False  # bf16 autocast for the forward passes on CUDA
 
 
 @dataclass(frozen=True)
 class StepMetrics:
-    """One optimiser step: weighted CE, the greedy τ estimate on the step's blocks, the learning rate."""
+    """One optimiser step: the loss (weighted CE and/or KL), the greedy τ estimate on the step's blocks, the
+    learning rate."""
 
     step: int
     loss: float
@@ -93,37 +104,76 @@ def new_draft_head(config: DraftConfig, seed: int, target: TargetModel | None = 
     return head
 
 
+class BlockLogits(nn.Module):
+    """The trainable part of one step as a module: draft logits of every block slot from the target's taps.
+
+    Data-parallel wrappers (DDP, FSDP) hook a module's ``forward``; the training forward calls the
+    drafter's sub-modules directly (``forward.py``), so this module gives them a ``forward`` to wrap.
+    """
+
+    def __init__(self, head: DraftHead) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, block_embeds: Tensor, taps: Tensor, anchors: Tensor, lm_head_weight: Tensor) -> Tensor:
+        """Shapes: block_embeds ``[b, J, B, H]``, taps ``[b, S, L*H]``, anchors ``[b, J]`` -> ``[b, J, B-1, V]``."""
+        hidden = draft_forward_blocks(self.head, block_embeds, taps, anchors)
+        return self.head.logits(hidden[:, :, 1:], lm_head_weight)
+
+
+@dataclass(frozen=True)
+class StepBlocks:
+    """One global batch: sequence indices and their anchors, identical on every rank.
+
+    ``rows`` holds ``global_batch`` indices into the corpus; ``anchors[i]`` the sorted anchors of row ``i``
+    (``[J_i]`` int64). Rank ``r`` trains rows ``r*G/W .. (r+1)*G/W - 1`` (its data shard of the step)."""
+
+    rows: list[int]
+    anchors: list[Tensor]
+
+
 class Distiller:
-    """Trains ``head`` to fill the target's next B-1 tokens from its taps (one step = one batch)."""
+    """Trains ``head`` to fill the target's next B-1 tokens from its taps (one step = one global batch).
+
+    Every rank replays the same batch-and-anchor generator, so the global batch of step ``n`` does not
+    depend on the world size; each rank computes the loss of its rows in micro-batches of
+    ``micro_batch`` sequences (gradient accumulation), normalised by the *global* slot weight so the
+    summed gradient is the full batch's. One process with ``micro_batch == batch_size`` is the original
+    single-process trainer, operation for operation.
+    """
 
     def __init__(self, target: TargetModel, head: DraftHead, sequences: list[list[int]],
-                 settings: DistillSettings) -> None:
+                 settings: DistillSettings, world: World = World()) -> None:
         cfg = head.config
         block_len = cfg.block_size
         usable = [s for s in sequences if len(s) > block_len]
         if not usable:
             raise TrainingError(f"training data: no sequence is longer than block_len={block_len} tokens "
-                                    f"(found {len(sequences)} sequences); expected sequences of > {block_len} "
-                                    "tokens. Fix: raise --max-new-tokens or lower --block-len.")
+                                f"(found {len(sequences)} sequences); expected sequences of > {block_len} "
+                                "tokens. Fix: raise --max-new-tokens or lower --block-len.")
         vocab = target.config.vocab_size
         bad = next((t for s in usable for t in s if not 0 <= t < vocab), None)
         if bad is not None:
             raise TrainingError(f"training data: token id {bad} is outside the target vocabulary [0, {vocab}); "
-                                    "expected ids from the target's tokenizer. Fix: regenerate the data with "
-                                    "this target.")
-        self.target = target.eval().requires_grad_(False)
-        self.head = head.train()
+                                "expected ids from the target's tokenizer. Fix: regenerate the data with "
+                                "this target.")
+        self.world = world
+        self.micro_batch = check_batch_split(settings.batch_size, settings.micro_batch, world.world_size)
+        self.device = torch.device(world.device)
+        self.target = target.eval().requires_grad_(False).to(self.device)
+        self.head = head.train().to(self.device)
         self.settings = settings
         self.sequences = [torch.tensor(s, dtype=torch.long) for s in usable]
         self.weights = slot_weights(block_len, settings.gamma)
-        self.optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, betas=(0.9, 0.95),
+        self.model = wrap_data_parallel(BlockLogits(self.head), world, settings.fsdp)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=(0.9, 0.95),
                                            weight_decay=settings.weight_decay)
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.step = 0
         self.epoch_order: list[int] = []
 
     def next_batch(self) -> list[int]:
-        """Indices of the next ``batch_size`` sequences; a fresh permutation each epoch."""
+        """Indices of the next ``batch_size`` (global) sequences; a fresh permutation each epoch."""
         batch: list[int] = []
         while len(batch) < self.settings.batch_size:
             if not self.epoch_order:
@@ -131,57 +181,95 @@ class Distiller:
             batch.append(self.epoch_order.pop())
         return batch
 
+    def next_blocks(self) -> StepBlocks:
+        """The next global batch and its anchors (drawn in row order from the shared generator)."""
+        rows = self.next_batch()
+        block_len, cap = self.head.config.block_size, self.settings.max_anchors
+        return StepBlocks(rows, [sample_anchors(len(self.sequences[i]), block_len, cap, self.generator) for i in rows])
+
     def train_step(self) -> StepMetrics:
-        """One optimiser step on one batch."""
+        """One optimiser step on one global batch: this rank's rows in micro-batches, gradients summed over ranks."""
         lr = learning_rate(self.step, self.settings)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, tau = self.batch_loss(self.next_batch())
+        blocks = self.next_blocks()
+        total_weight = sum(a.shape[0] for a in blocks.anchors) * float(self.weights.sum())  # Σ w over the batch
+        share = self.settings.batch_size // self.world.world_size
+        mine = range(self.world.rank * share, (self.world.rank + 1) * share)
+        micro = [list(mine[i:i + self.micro_batch]) for i in range(0, share, self.micro_batch)]
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.settings.grad_clip)
+        totals = torch.zeros(3, dtype=torch.float64)  # loss, accepted drafts, blocks
+        for number, rows in enumerate(micro):
+            sync = number == len(micro) - 1 or not self.world.distributed
+            with nullcontext() if sync else self.model.no_sync():
+                loss, weight, accepted, count = self.batch_loss([blocks.rows[i] for i in rows],
+                                                                [blocks.anchors[i] for i in rows])
+                # the micro-batch's share of the global weighted mean; DDP averages over ranks, hence * W
+                scaled = loss * (weight / total_weight)
+                (scaled * self.world.world_size).backward()
+            totals += torch.tensor([float(scaled.detach()), accepted, count], dtype=torch.float64)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         self.optimizer.step()
         self.step += 1
-        return StepMetrics(self.step, float(loss.detach()), tau, lr)
+        loss_sum, accepted_sum, block_count = self.world.all_sum(totals).tolist()
+        return StepMetrics(self.step, loss_sum, 1.0 + accepted_sum / max(block_count, 1.0), lr)
 
-    def batch_loss(self, indices: list[int]) -> tuple[Tensor, float]:
-        """Weighted block CE of one batch and its greedy τ estimate (1 + mean accepted prefix).
+    def batch_loss(self, indices: list[int], anchor_sets: list[Tensor]) -> tuple[Tensor, float, int, int]:
+        """Loss of one micro-batch: ``(weighted mean loss, its total slot weight, accepted drafts, blocks)``.
 
         Labels (dflash.md §4 "labels"): ``data`` uses the sequence's own tokens (SpecForge); ``target``
         uses the target's argmax after the true prefix, ``argmax p(· | ids[:a+k])`` for slot k (speculators'
-        "verifier argmax"): exactly what greedy serving commits at slot 1, even on sampled text.
+        "verifier argmax"): exactly what greedy serving commits at slot 1, even on sampled text. With
+        ``kl_weight > 0`` the loss mixes in the KL to the target's full distribution (``soft_labels.py``).
+        The accepted count is the greedy τ estimate's numerator (accepted prefix against the labels).
         """
         cfg = self.head.config
         block_len, mask_id = cfg.block_size, cfg.mask_token_id
         seqs = [self.sequences[i] for i in indices]
         length = max(len(s) for s in seqs)
         tokens = torch.full((len(seqs), length), mask_id, dtype=torch.long)  # padding is never visible
-        anchor_sets = []
         for row, seq in enumerate(seqs):
             tokens[row, :len(seq)] = seq
-            anchor_sets.append(sample_anchors(len(seq), block_len, self.settings.max_anchors, self.generator))
         count = max(a.shape[0] for a in anchor_sets)
         anchors = torch.ones(len(seqs), count, dtype=torch.long)  # unused slots: a dummy anchor, no loss
         valid_blocks = torch.zeros(len(seqs), count, dtype=torch.bool)
         for row, found in enumerate(anchor_sets):
             anchors[row, :found.shape[0]] = found
             valid_blocks[row, :found.shape[0]] = True
-        with torch.no_grad():
+        blocks = torch.stack([block_token_ids(tokens[r], anchors[r], block_len, mask_id) for r in range(len(seqs))])
+        tokens, anchors, blocks = tokens.to(self.device), anchors.to(self.device), blocks.to(self.device)
+        valid_blocks = valid_blocks.to(self.device)
+        with torch.no_grad(), self.autocast():
             target_logits, taps = self.target(tokens, 0, self.target.new_cache(len(seqs), length),
                                               cfg.target_layer_ids)
         stream = tokens
         if self.settings.labels == "target":  # position p's label: the target's argmax after ids[:p]
             stream = torch.cat([tokens[:, :1], target_logits[:, :-1].argmax(-1)], dim=1)
-        blocks = torch.stack([block_token_ids(tokens[r], anchors[r], block_len, mask_id) for r in range(len(seqs))])
         labels = torch.stack([block_labels(stream[r], anchors[r], block_len) for r in range(len(seqs))])
         embed = self.target.embed_tokens.weight
         block_embeds = F.embedding(blocks, embed) * cfg.input_embedding_scale  # [b, J, B, H]
-        hidden = draft_forward_blocks(self.head, block_embeds, taps, anchors)
-        logits = self.head.logits(hidden[:, :, 1:], self.target.lm_head.weight)  # [b, J, B-1, V]
-        valid = valid_blocks.unsqueeze(-1).expand_as(labels)
-        loss = weighted_block_loss(logits.flatten(0, 1), labels.flatten(0, 1), valid.flatten(0, 1), self.weights)
-        accepted = accepted_prefix(logits.detach().argmax(-1), labels, valid)[valid_blocks]
-        return loss, 1.0 + float(accepted.float().mean())
+        with self.autocast():
+            logits = self.model(block_embeds, taps, anchors, self.target.lm_head.weight)  # [b, J, B-1, V]
+        valid = valid_blocks.unsqueeze(-1).expand_as(labels).flatten(0, 1)  # [b*J, B-1]
+        kl_weight = self.settings.kl_weight
+        loss = torch.zeros((), device=self.device)
+        if kl_weight < 1.0:
+            loss = (1.0 - kl_weight) * weighted_block_loss(logits.flatten(0, 1), labels.flatten(0, 1), valid,
+                                                           self.weights)
+        if kl_weight > 0.0:
+            soft = torch.stack([soft_label_logits(target_logits[r], anchors[r], block_len) for r in range(len(seqs))])
+            loss = loss + kl_weight * weighted_block_kl(logits.flatten(0, 1), soft.flatten(0, 1), valid, self.weights,
+                                                        self.settings.kl_temperature)
+        accepted = accepted_prefix(logits.detach().argmax(-1), labels, valid.view(labels.shape))[valid_blocks]
+        num_blocks = sum(a.shape[0] for a in anchor_sets)
+        weight = num_blocks * float(self.weights.sum())
+        return loss, weight, int(accepted.sum()), num_blocks  # host-sync: metrics of the step
+
+    def autocast(self):
+        """bf16 autocast on CUDA when ``settings.bf16`` (weights and optimiser state stay float32)."""
+        if self.settings.bf16 and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
 
     def run(self, until_step: int, on_step: Callable[[StepMetrics], None] | None = None) -> StepMetrics | None:
         """Train until ``self.step == until_step``; calls ``on_step`` after every step. Returns the last metrics."""
@@ -193,13 +281,14 @@ class Distiller:
         return last
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue bit-for-bit (tensors, ints and lists only)."""
-        return {"step": self.step, "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """Everything a resumed run needs to continue (tensors, ints and lists only), independent of the
+        world size: full (unsharded) drafter weights and optimiser state, the shared generator, the epoch."""
+        model, optimizer = full_state_dicts(self.model, self.head, self.optimizer)
+        return {"step": self.step, "head": model, "optimizer": optimizer,
                 "generator": self.generator.get_state(), "epoch_order": list(self.epoch_order)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.head.load_state_dict(state["head"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_full_state_dicts(self.model, self.head, self.optimizer, state["head"], state["optimizer"])
         self.generator.set_state(state["generator"])
         self.step = int(state["step"])
         self.epoch_order = [int(i) for i in state["epoch_order"]]
