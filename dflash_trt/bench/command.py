@@ -17,6 +17,9 @@ Examples:
   dflash-trt bench --datasets tinystories,gsm8k --num-prompts 16 --concurrency 1,4,16 --out reports/conc
   dflash-trt bench --block-len 16,8 --temperature 0,1 --max-new-tokens 256 --out reports/sweep
   dflash-trt bench --target ./Qwen3-4B --draft ./Qwen3-4B-DFlash-b16 --prompts my_requests.jsonl --out reports/mine
+  dflash-trt bench --endpoint http://127.0.0.1:8000 --endpoint http://127.0.0.1:8001 --datasets tinystories \\
+      --num-prompts 16 --concurrency 1,8 --repeats 2 --out reports/serve
+  dflash-trt bench --endpoint http://127.0.0.1:8000 --request-rate 2,8 --goodput ttft:200,tpot:20 --out reports/rate
 """
 
 
@@ -48,9 +51,25 @@ def _numbers(text: str, kind, flag: str) -> tuple:
               help="Run each cell's requests this many times (more waves; the report shows the per-wave spread).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for report.json/.md and plots.")
+@click.option("--endpoint", "endpoints", multiple=True, help="Measure a live OpenAI-compatible server at this URL "
+              "instead (twice: an A/B of two servers, e.g. `dflash-trt serve --speculation off` and `auto`).")
+@click.option("--request-rate", default="", help="With --endpoint: comma-separated Poisson arrival rates (req/s), "
+              "measured besides the --concurrency levels.")
+@click.option("--goodput", default=None, help="With --endpoint: latency goals for goodput, e.g. ttft:500,tpot:50 (ms).")
+@click.option("--api-key", default=None, help="With --endpoint: sent as `Authorization: Bearer KEY`.")
+@click.option("--ignore-eos", is_flag=True, help="With --endpoint: ask for exactly --max-new-tokens per request.")
 def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, concurrency, block_len, temperature,
-                  max_new_tokens, gpu_hour_cost, no_peers, no_adaptive, repeats, seed, out) -> None:
-    """Benchmark DFlash against plain decoding in the same runtime, on the same requests."""
+                  max_new_tokens, gpu_hour_cost, no_peers, no_adaptive, repeats, seed, out, endpoints, request_rate,
+                  goodput, api_key, ignore_eos) -> None:
+    """Benchmark DFlash against plain decoding in the same runtime, on the same requests (or, with --endpoint,
+    live servers from the client side)."""
+    if endpoints:
+        if target or draft or engine or block_len:
+            raise RequestError("--endpoint measures a running server; expected no --target/--draft/--engine/"
+                               "--block-len with it (the server was started with its own). Fix: drop them.")
+        _bench_endpoints(endpoints, datasets, prompts_file, num_prompts, concurrency, request_rate, temperature,
+                         max_new_tokens, repeats, seed, goodput, api_key, ignore_eos, out)
+        return
     from rich.progress import Progress
 
     from dflash_trt.bench.harness import BenchConfig, load_prompt_sets, run_benchmark
@@ -96,3 +115,36 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
                    f"speed-up {cell['speedup_throughput']:.2f}x"
                    + (f", auto {cell['speedup_auto']:.2f}x" if "speedup_auto" in cell else "")
                    + ("" if same is None else f", greedy identical to AR: {'yes' if same else 'NO'}"))
+
+
+def _bench_endpoints(endpoints, datasets, prompts_file, num_prompts, concurrency, request_rate, temperature,
+                     max_new_tokens, repeats, seed, goodput, api_key, ignore_eos, out) -> None:
+    from pydantic import ValidationError
+    from rich.progress import Progress
+
+    from dflash_trt.bench.endpoint import EndpointBenchConfig, parse_goals, run_endpoint_benchmark
+    from dflash_trt.bench.endpoint_report import write_report
+
+    try:
+        config = EndpointBenchConfig(
+            endpoints=tuple(endpoints), datasets=tuple(d for d in datasets.split(",") if d), prompts_file=prompts_file,
+            num_prompts=num_prompts, concurrency=_numbers(concurrency, int, "--concurrency"),
+            request_rates=_numbers(request_rate, float, "--request-rate"),
+            temperatures=_numbers(temperature, float, "--temperature"), max_tokens=max_new_tokens,
+            ignore_eos=ignore_eos, repeats=repeats, seed=seed, goals_ms=parse_goals(goodput), api_key=api_key)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise RequestError(f"bench option `{'.'.join(map(str, first['loc']))}` is {first.get('input')!r}: "
+                           f"{first['msg']}. Fix: see `dflash-trt bench --help`.") from None
+    with Progress(transient=True) as bar:
+        task = bar.add_task("endpoint benchmark", total=None)
+        report = run_endpoint_benchmark(
+            config, lambda label, done, total: bar.update(task, completed=done, total=total, description=label))
+    command = "dflash-trt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    for path in write_report(report, out, command):
+        click.echo(f"wrote {path}")
+    for cell in report["cells"]:
+        for label, m in cell["endpoints"].items():
+            click.echo(f"{cell['dataset']:>12} T={cell['temperature']:g} {cell['label']:>10} {label:>8}: "
+                       f"{m['output_tokens_per_s']:,.0f} tok/s, TTFT p50 {m['ttft_s']['p50'] * 1e3:.1f} ms, "
+                       f"speed-up {m['speedup']:.2f}x ({m['completed']}/{m['requests']} done)")
