@@ -1,4 +1,8 @@
-"""Terminal rendering for the CLI (rich tables), kept apart so commands stay thin."""
+"""Terminal rendering for the CLI (rich tables), kept apart so commands stay thin.
+
+User and model text (prompts, generated text, paths, checkpoint values) is printed literally: it goes
+into ``rich.text.Text`` objects, never through markup, so ``[red]`` in a prompt is shown as typed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from dflash_trt.runtime.session import GenerationResult
 
@@ -14,7 +19,8 @@ _console = Console()
 
 def generation(result: GenerationResult, prompt: str | None) -> None:
     stats = result.stats
-    _console.print(f"[bold]{prompt or ''}[/bold]{result.text}", highlight=False, markup=prompt is not None)
+    # soft_wrap: long text is folded by the terminal, not by rich (no newlines added to a piped output)
+    _console.print(Text.assemble((prompt or "", "bold"), result.text), highlight=False, soft_wrap=True)
     _console.print(
         f"[dim]{stats.num_output_tokens} tokens ({result.finish_reason}) · τ {stats.mean_acceptance_length:.2f} "
         f"· draft acceptance {stats.draft_acceptance_rate:.1%} · TTFT {stats.ttft_s * 1e3:.1f} ms "
@@ -25,16 +31,17 @@ def inspection(info: dict[str, Any]) -> None:
     if "compatible" in info:
         inspection(info["target"])
         inspection(info["draft"])
-        verdict = "[green]compatible[/green]" if info["compatible"] else f"[red]incompatible[/red]: {info['reason']}"
-        _console.print(f"pair: {verdict}", highlight=False)
+        verdict = Text("compatible", "green") if info["compatible"] else Text.assemble(
+            ("incompatible", "red"), f": {info['reason']}")
+        _console.print(Text.assemble("pair: ", verdict), highlight=False)
         return
-    table = Table(title=f"{info['kind']}: {info['path']}", show_header=False)
-    table.add_row("format", info["format"])
+    table = Table(title=Text(f"{info['kind']}: {info['path']}"), show_header=False)
+    table.add_row("format", Text(str(info["format"])))
     table.add_row("parameters", f"{info['parameters']:,}")
     if "tokenizer" in info:
-        table.add_row("tokenizer", str(info["tokenizer"]))
+        table.add_row("tokenizer", Text(str(info["tokenizer"])))
     for key, value in info["config"].items():
-        table.add_row(key, str(value))
+        table.add_row(Text(str(key)), Text(str(value)))
     _console.print(table)
 
 
@@ -44,7 +51,7 @@ def demo(session, prompts: list[str], result, max_new_tokens: int) -> None:
     import torch
 
     first = result.speculative[0]
-    _console.print(f"[bold]{prompts[0]}[/bold]{first.text}\n", highlight=False)
+    _console.print(Text.assemble((prompts[0], "bold"), first.text, "\n"), highlight=False, soft_wrap=True)
     table = Table(title="DFlash vs plain decoding: same session, same prompts, interleaved A/B")
     for column in ("mode", "median decode tok/s", "τ (mean acceptance length)", "greedy output"):
         table.add_column(column)

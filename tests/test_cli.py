@@ -86,3 +86,33 @@ def test_the_shipped_block_8_drafter_pairs_with_the_target_and_is_lossless():
     assert spec["token_ids"] == plain["token_ids"]
     assert max(spec["stats"]["acceptance_lengths"]) <= 8  # block 8: at most 7 drafts + the bonus
     assert spec["stats"]["mean_acceptance_length"] > 2
+
+
+@pytest.mark.parametrize("prompt", ["[/red] hi", "[red]Once upon a time", "[bold]x[/bold] \\[y"])
+def test_prompt_and_generated_text_are_printed_literally(prompt):
+    expected = run_json("--prompt", prompt, "--max-new-tokens", "20")["text"]
+    result = CliRunner().invoke(main, ["run", "--prompt", prompt, "--max-new-tokens", "20"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(prompt + expected)
+
+
+def test_generated_text_that_looks_like_markup_is_printed_as_is(capsys):
+    from dflash_trt import _render
+    from dflash_trt.runtime.session import GenerationResult
+    from dflash_trt.runtime.stats import SpecStats
+
+    text = " [/] said [red]the cat[/red] " + "word " * 40  # longer than a terminal line: no newline is added
+    _render.generation(GenerationResult([1], [2], text, "length", SpecStats()), None)
+    assert capsys.readouterr().out.split("\n")[0] == text
+
+
+def test_inspect_prints_a_path_with_brackets_literally(tmp_path):
+    import shutil
+
+    folder = tmp_path / "[red]model [bold]"
+    folder.mkdir()
+    for source in embedded_target_path().parent.iterdir():
+        shutil.copy(source, folder / source.name)
+    result = CliRunner().invoke(main, ["inspect", str(folder / embedded_target_path().name)])
+    assert result.exit_code == 0, result.output
+    assert "[red]model" in result.output and "[bold]" in result.output  # the title may wrap between them
