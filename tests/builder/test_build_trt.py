@@ -58,3 +58,32 @@ def test_tensorrt_engine_matches_torch_greedy(tmp_path_factory):
     params = SamplingParams(max_new_tokens=64)
     expected = Session.load(engine, "torch").generate("Once upon a time", params).token_ids
     assert Session.load(engine, "tensorrt").generate("Once upon a time", params).token_ids == expected
+
+
+def _plugin_toolchain() -> bool:
+    from dflash_trt.errors import BackendUnavailableError
+    from dflash_trt.plugins.tensorrt.build_plugin import find_cuda_toolkit, find_tensorrt_include
+
+    try:
+        find_tensorrt_include()
+    except BackendUnavailableError:
+        return False
+    return find_cuda_toolkit() is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_info() is None or tensorrt_version() is None, reason="needs an NVIDIA GPU and TensorRT")
+def test_tensorrt_draft_plan_runs_the_block_attention_plugin(tmp_path_factory):
+    """The drafter's plan uses DFlashBlockAttention (built here for this SM) and still matches torch greedy."""
+    if not _plugin_toolchain():
+        pytest.skip("TensorRT headers (TENSORRT_INCLUDE) or a CUDA toolkit (CUDA_HOME) not found")
+    from dflash_trt.builder.manifest import read_manifest
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.runtime.session import Session
+
+    engine = built_engine(tmp_path_factory.getbasetemp(), "trt", backend="tensorrt")
+    checks = read_manifest(engine).checks
+    assert checks["draft_plan_graph"] == "draft_plugin.onnx", checks
+    params = SamplingParams(max_new_tokens=64)
+    expected = Session.load(engine, "torch").generate("Once upon a time", params).token_ids
+    assert Session.load(engine, "tensorrt").generate("Once upon a time", params).token_ids == expected
