@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
@@ -58,7 +59,13 @@ class ServedModel:
 def create_app(session: Session, model: ServedModel, template: ChatTemplate, api_key: str | None = None) -> FastAPI:
     metrics = ServerMetrics(model.id)
     dispatcher = Dispatcher(session, metrics, model.max_batch, model.max_queue)
-    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None, openapi_url=None)
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        dispatcher.close()  # after the drain: every request admitted has finished
+        session.close()
+
+    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.dispatcher = dispatcher
     plain = model.speculation == "off"
 
@@ -109,11 +116,6 @@ def create_app(session: Session, model: ServedModel, template: ChatTemplate, api
         room = max(session.max_seq_len - len(ids), 1)
         return await _answer(request, dispatcher, model.id, body, ids, room, plain, chat=True)
 
-    @app.on_event("shutdown")
-    async def close() -> None:
-        dispatcher.close()
-        session.close()
-
     return app
 
 
@@ -158,7 +160,7 @@ async def _answer(request: Request, dispatcher: Dispatcher, model_id: str, body:
     stops = body.stop_strings()
     ticket = dispatcher.admit()
     try:
-        handle = await dispatcher.submit(ticket, list(ids), params)
+        handle = dispatcher.submit(ticket, list(ids), params)
     except BaseException:
         ticket.release()
         raise

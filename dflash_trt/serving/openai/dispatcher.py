@@ -5,9 +5,9 @@ one more is refused at once (``429`` with ``Retry-After``), so an overloaded ser
 of queueing without bound. A request counts as *waiting* until its first token, then *running* until its
 response ends.
 
-Each request's chunks are read from its ``RequestHandle`` on a thread of a pool sized to the admission limit
-(a blocking read per chunk, the event loop stays free). A request whose client goes away is cancelled: the
-session frees its cache slot at its next step.
+Each request's chunks are read from its ``RequestHandle`` by a thread of a pool sized to the admission limit,
+which hands them to the event loop as they arrive (the event loop never blocks). A request whose client goes
+away is cancelled: the session frees its cache slot at its next step.
 """
 
 from __future__ import annotations
@@ -86,25 +86,37 @@ class Dispatcher:
         self.peak_running = max(self.peak_running, self.running)
         self.metrics.set_load(self.running, self.waiting)
 
-    async def submit(self, ticket: Ticket, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue the request in the session (a ``RequestError`` for a request the session refuses)."""
-        loop = asyncio.get_running_loop()
-        ticket.handle = await loop.run_in_executor(self._pool, self.session.submit, prompt_ids, params)
+    def submit(self, ticket: Ticket, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue the request in the session (a ``RequestError`` for a request the session refuses). Called on the
+        event loop: with token ids, ``Session.submit`` only validates and enqueues."""
+        ticket.handle = self.session.submit(prompt_ids, params)
         return ticket.handle
 
     async def pieces(self, ticket: Ticket, handle: RequestHandle, stops: tuple[str, ...]) -> AsyncIterator[Piece]:
         """The request's text as the session verifies it; the last piece carries ``finished``. Closing the
         iterator early (a client that went away) cancels the request; the ticket is released either way."""
         loop = asyncio.get_running_loop()
-        chunks = iter(handle)
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        def pump() -> None:  # on a pool thread: the handle's chunks, as they come, onto the event loop
+            try:
+                for item in handle:
+                    loop.call_soon_threadsafe(arrived.put_nowait, item)
+            except BaseException as exc:  # noqa: BLE001 - the request's own failure, raised on the event loop
+                loop.call_soon_threadsafe(arrived.put_nowait, exc)
+            loop.call_soon_threadsafe(arrived.put_nowait, None)
+
+        self._pool.submit(pump)
         stop = StopStrings(stops)
         gaps: list[float] = []
         previous: float | None = None
         try:
             while True:
-                chunk = await loop.run_in_executor(self._pool, next, chunks, None)
+                chunk = await arrived.get()
                 if chunk is None:  # the handle ended without a final chunk
                     return
+                if isinstance(chunk, BaseException):
+                    raise chunk
                 if previous is not None:
                     gaps.append(chunk.arrived_at - previous)
                 previous = chunk.arrived_at
