@@ -1,4 +1,4 @@
-"""The DFlash training objective (dflash.md §4): anchors, blocks, the block-diagonal mask, the decayed CE.
+"""The DFlash training objective (docs/algorithm.md §4): anchors, blocks, the block-diagonal mask, the decayed CE.
 
 Per sequence, anchors ``a_j`` are drawn without replacement among the positions whose whole block
 fits (``1 <= a_j <= len - B``), then sorted. Block ``j`` is ``[ids[a_j], MASK x (B-1)]`` at positions
@@ -7,7 +7,8 @@ clean context. Slot ``k >= 1`` of block ``j`` predicts ``ids[a_j + k]`` (no shif
 ``w_k = exp(-(k-1)/gamma)``; the loss is ``sum w_k CE_k / sum w_k`` over the valid slots.
 
 Anchor 0 is excluded: at inference the first anchor follows a prompt of at least one token, so a
-block always has some context. All functions here are pure.
+block always has some context. All functions here are pure. Which keys a block slot sees is the model's rule
+(:func:`~dflash_trt.model.block_attention.block_visibility`), shared with inference.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-#: γ of the paper's recipe for the two published block lengths (dflash.md §4).
+from dflash_trt.model.block_attention import block_visibility
+
+#: γ of the paper's recipe for the two published block lengths (docs/algorithm.md §4).
 PUBLISHED_GAMMA = {16: 7.0, 8: 4.0}
 
 
 def decay_gamma(block_len: int) -> float:
-    """γ of the slot weights: 7 for B=16 and 4 for B=8 (dflash.md §4); other B use the line through
+    """γ of the slot weights: 7 for B=16 and 4 for B=8 (docs/algorithm.md §4); other B use the line through
     those two points, ``γ = 1 + 3B/8`` (B=4 -> 2.5, B=32 -> 13), so γ stays proportional to the
     number of slots the drafter can usefully get right."""
     return PUBLISHED_GAMMA.get(block_len, 1.0 + 3.0 * block_len / 8.0)
@@ -59,36 +62,6 @@ def block_labels(tokens: Tensor, anchors: Tensor, block_len: int) -> Tensor:
     return tokens[anchors.unsqueeze(1) + offsets]
 
 
-def block_visibility(anchors: Tensor, context_len: int, block_len: int, causal: bool = False,
-                     window: int | None = None) -> Tensor:
-    """Per-block rows of the block-diagonal mask (dflash.md §2.5, training column).
-
-    Query slot ``t`` of block ``j`` (position ``a_j + t``) sees context keys at positions ``< a_j``
-    (strict) and the keys of its own block: all of them, or slots ``<= t`` when ``causal``; with a
-    ``window``, only keys with ``query - key < window`` (and ``key - query < window`` when not causal).
-    Blocks never see each other, so only the non-zero tiles of the dense mask are materialised.
-
-    Shapes: anchors ``[..., J]`` -> bool ``[..., J, B, context_len + B]`` (context keys first). True = attend.
-    """
-    slots = torch.arange(block_len)
-    query_pos = anchors[..., None, None] + slots.view(block_len, 1)  # [..., J, B, 1]
-    context_pos = torch.arange(context_len).view(1, context_len)
-    sees_context = context_pos < anchors[..., None, None]  # [..., J, 1, S]
-    sees_context = sees_context.expand(*anchors.shape, block_len, context_len)
-    sees_block = torch.ones(block_len, block_len, dtype=torch.bool)
-    if causal:
-        sees_block = sees_block.tril()
-    sees_block = sees_block.expand(*anchors.shape, block_len, block_len)
-    visible = torch.cat([sees_context, sees_block], dim=-1)
-    if window is not None:
-        key_pos = torch.cat([context_pos.expand(*anchors.shape, 1, context_len),
-                             anchors[..., None, None] + slots.view(1, block_len)], dim=-1)
-        visible = visible & ((query_pos - key_pos) < window)
-        if not causal:  # a non-causal window is two-sided, as at inference
-            visible = visible & ((key_pos - query_pos) < window)
-    return visible
-
-
 def block_diagonal_mask(anchors: Tensor, context_len: int, block_len: int, causal: bool = False) -> Tensor:
     """The dense training mask over ``[context ; block_0 ; ... ; block_{J-1}]`` keys, for reference and tests.
 
@@ -107,7 +80,7 @@ def block_diagonal_mask(anchors: Tensor, context_len: int, block_len: int, causa
 
 
 def weighted_block_loss(logits: Tensor, labels: Tensor, valid: Tensor, weights: Tensor) -> Tensor:
-    """``Σ w_k · CE_k / Σ w_k`` over valid slots (dflash.md §4).
+    """``Σ w_k · CE_k / Σ w_k`` over valid slots (docs/algorithm.md §4).
 
     Shapes: logits ``[R, B-1, V]``, labels ``[R, B-1]``, valid ``[R, B-1]`` bool, weights ``[B-1]`` -> scalar.
     """
@@ -119,7 +92,7 @@ def weighted_block_loss(logits: Tensor, labels: Tensor, valid: Tensor, weights: 
 def accepted_prefix(predictions: Tensor, labels: Tensor, valid: Tensor) -> Tensor:
     """Greedy acceptance per block: length of the leading run of slots where the prediction equals the label.
 
-    ``acc_j = Σ_i Π_{k<=i} 1[x_k = y_k]`` (dflash.md §3.3, with the label standing in for the target's choice).
+    ``acc_j = Σ_i Π_{k<=i} 1[x_k = y_k]`` (docs/algorithm.md §3.3, the label standing in for the target's choice).
     Shapes: predictions, labels, valid ``[R, B-1]`` -> ``[R]`` int64.
     """
     hits = (predictions == labels) & valid

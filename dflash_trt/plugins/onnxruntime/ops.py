@@ -1,7 +1,8 @@
 """ONNX Runtime custom op ``DFlashBlockAttention`` (schema ``dflash::block_attention``), CPU, numpy.
 
-An independent implementation of ``plugins/schema.py``'s op, held to the torch reference by
-``tests/plugins/onnxruntime/test_ops.py``. It is registered through onnxruntime-extensions, whose
+An independent implementation of ``plugins/schema.py``'s attention (only the visibility rule,
+``model.block_attention.visible``, is shared), held to the torch reference by
+``tests/plugins/onnxruntime/test_ort_ops.py``. It is registered through onnxruntime-extensions, whose
 Python ops run only under the ``ai.onnx.contrib`` domain (environment.md §4.3): graphs are renamed
 with ``plugins.onnx_nodes.to_ort_domain`` before a session is created. Outputs travel through
 Python, so this op is for parity and portability, not speed: the engine's default drafter graph
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_trt.model.block_attention import visible
 from dflash_trt.plugins.schema import BLOCK_ATTENTION
 
 _registered = False
@@ -32,14 +34,8 @@ def block_attention_numpy(q: np.ndarray, context_k: np.ndarray, context_v: np.nd
     scores = np.matmul(q, keys.transpose(0, 1, 3, 2)) * np.float32(scale or dim ** -0.5)  # [B, nq, T, C+T]
     query_pos = np.arange(context_len, context_len + tokens).reshape(tokens, 1)
     key_pos = np.arange(context_len + tokens).reshape(1, -1)
-    visible = np.ones((tokens, context_len + tokens), dtype=bool)
-    if window > 0:
-        visible &= (query_pos - key_pos) < window
-        if not causal:  # a non-causal window is two-sided
-            visible &= (key_pos - query_pos) < window
-    if causal:
-        visible &= key_pos <= query_pos
-    scores = np.where(visible, scores, np.float32(-np.inf))
+    seen = visible(query_pos, key_pos, bool(causal), window)  # [T, C+T], the model's rule on numpy positions
+    scores = np.where(seen, scores, np.float32(-np.inf))
     scores = scores - scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores)
     weights /= weights.sum(axis=-1, keepdims=True)

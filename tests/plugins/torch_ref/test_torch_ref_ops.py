@@ -30,18 +30,38 @@ def test_full_layers_match_the_draft_heads_unmasked_attention():
     assert torch.equal(block_attention_reference(q, ck, cv, bk, bv, 8 ** -0.5, 0, 0), expected)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_sliding_layers_match_the_draft_heads_sliding_mask(causal):
+def _head(sliding: bool, causal: bool | None):
     from dflash_trt.config import DraftConfig, RopeConfig
     from dflash_trt.model.draft_head import DraftHead
-    from dflash_trt.plugins.torch_ref.ops import block_window_mask
 
-    config = DraftConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+    config = DraftConfig(hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
                          rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0), vocab_size=32, max_position_embeddings=64,
                          num_target_layers=4, target_layer_ids=(1,), block_size=4, mask_token_id=0,
-                         layer_sliding=(True,), sliding_window=3,
-                         is_causal=None if causal else False)
-    head = DraftHead(config)
-    for start, tokens in [(0, 4), (6, 4), (9, 1)]:
-        expected = head.sliding_mask(start, tokens, torch.device("cpu"))
-        assert torch.equal(block_window_mask(start, tokens, 3, int(causal), torch.device("cpu")), expected)
+                         layer_sliding=(sliding, False), sliding_window=3 if sliding else None, is_causal=causal)
+    head = DraftHead(config).eval()
+    with torch.no_grad():  # non-trivial norms, so a norm applied in the wrong place shows
+        for param in head.parameters():
+            if param.dim() == 1:
+                param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(5))
+    return head
+
+
+@pytest.mark.parametrize("sliding,causal", [(False, None), (True, None), (True, False), (False, True)])
+@torch.no_grad()
+def test_draft_head_traced_through_the_registered_op_equals_its_serving_forward(sliding, causal):
+    """``DraftHead.forward_op`` (the graph form an exporter traces) == ``DraftHead.forward`` over a KV cache."""
+    head = _head(sliding, causal)
+    g = torch.Generator().manual_seed(2)
+    first, second = torch.randn(2, 5, 16, generator=g), torch.randn(2, 3, 16, generator=g)  # taps of two calls
+    blocks = torch.randn(2, 2, 4, 16, generator=g)
+    cache = head.new_cache(2, 32)
+    served = [head(blocks[0], first, 5, cache)]
+    cache.crop(5, 2)
+    served.append(head(blocks[1], second, 8, cache))
+    op = torch.ops.dflash.block_attention
+    empty = torch.zeros(2, 2, 1, 0, 8)  # [n, B, nkv, P=0, d]
+    hidden, keys, values = head.forward_op(blocks[0], first, torch.arange(0, 9).expand(2, -1), empty, empty, op)
+    assert torch.allclose(hidden, served[0], atol=1e-6, rtol=0)
+    hidden, _, _ = head.forward_op(blocks[1], second, torch.arange(5, 12).expand(2, -1), keys, values, op)
+    assert torch.allclose(hidden, served[1], atol=1e-6, rtol=0)
+    assert torch.equal(keys, cache.keys[:, :2, :, :5])  # the context rows the graph returns are the cached ones
