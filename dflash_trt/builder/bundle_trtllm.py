@@ -131,7 +131,8 @@ class LlmApiOptions(BaseModel):
     @model_validator(mode="after")
     def _no_misplaced_fields(self) -> LlmApiOptions:
         for key in self.model_extra or {}:
-            for section, model in (("speculative_config", DFlashSpeculativeConfig), ("kv_cache_config", KvCacheOptions)):
+            for section, model in (("speculative_config", DFlashSpeculativeConfig),
+                                   ("kv_cache_config", KvCacheOptions)):
                 if key in model.model_fields:
                     raise ValueError(f"`{key}` is a {section} field; expected it under {section}")
         return self

@@ -101,7 +101,8 @@ def test_splits_that_divide_heads_kv_heads_and_layers_are_accepted(stories, tp, 
            r"Fix: pass --tp 2"),
     (8, 1, r"field `--tp` is 8; expected a divisor of the target's num_kv_heads \(4\): one of \[1, 2, 4\]\. "
            r"Fix: pass --tp 4"),
-    (1, 2, r"field `--pp` is 2; expected a divisor of the target's num_layers \(5\): one of \[1, 5\]\. Fix: pass --pp 1"),
+    (1, 2, r"field `--pp` is 2; expected a divisor of the target's num_layers \(5\): one of \[1, 5\]\. "
+           r"Fix: pass --pp 1"),
 ])
 def test_splits_that_do_not_divide_are_refused_with_the_nearest_fit(stories, tp, pp, message):
     with pytest.raises(ConfigError, match=message):
@@ -151,7 +152,8 @@ def test_a_multi_gpu_bundle_with_user_keys_reaches_the_yaml_the_runner_and_the_l
         with pytest.raises(BackendUnavailableError, match="needs an NVIDIA GPU"):
             TrtLlmRunner(engine)
 
-    result = export_repository(TritonExportConfig(repo=tmp_path / "repo", engine=engine, llmapi_repo=tmp_path / "llm"))
+    config = TritonExportConfig(repo=tmp_path / "repo", engine=engine, llmapi_repo=tmp_path / "llm")
+    result = export_repository(config)
     model_yaml = result.llmapi_dir / "1" / "model.yaml"
     content = yaml.safe_load(model_yaml.read_text())
     assert content["tensor_parallel_size"] == 2 and content["pipeline_parallel_size"] == 5

@@ -76,7 +76,8 @@ class CudaToolkit:
 
 def _wheel_toolkits() -> list[Path]:
     """``nvidia/cu13`` folders of the ``cuda-build`` wheels importable by this interpreter."""
-    return [Path(entry) / "nvidia" / "cu13" for entry in sys.path if entry and (Path(entry) / "nvidia" / "cu13").is_dir()]
+    folders = [Path(entry) / "nvidia" / "cu13" for entry in sys.path if entry]
+    return [folder for folder in folders if folder.is_dir()]
 
 
 def find_cuda_toolkit(search_path: bool = True) -> CudaToolkit | None:

@@ -69,7 +69,8 @@ def test_an_override_with_a_changed_signature_fails_the_check(tmp_path, toolkit,
 @needs_headers
 def test_a_plugin_accepting_half_precision_fails_the_host_check(tmp_path, toolkit):
     csrc = _broken_copy(tmp_path, "return inOut[pos].desc.type == DataType::kFLOAT &&",
-                        "return (inOut[pos].desc.type == DataType::kFLOAT || inOut[pos].desc.type == DataType::kHALF) &&")
+                        "return (inOut[pos].desc.type == DataType::kFLOAT ||\n"
+                        "        inOut[pos].desc.type == DataType::kHALF) &&")
     with pytest.raises(PluginCheckError, match="FAIL formats: exactly float32 linear"):
         check_plugin(csrc, DEFAULT_HEADERS, tmp_path / "work", toolkit, ONE_ARCH)
 

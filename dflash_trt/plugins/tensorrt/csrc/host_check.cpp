@@ -320,7 +320,8 @@ void checkFormats(IPluginV3OneBuild* build) {
     }
     check(onlyLinearFloat && supported == 6, "formats: exactly float32 linear at each of 6 positions, of " +
                                                  std::to_string(combinations) + " combinations");
-    check(!build->supportsFormatCombination(6, io.data(), 5, 1) && !build->supportsFormatCombination(-1, io.data(), 5, 1),
+    check(!build->supportsFormatCombination(6, io.data(), 5, 1) &&
+              !build->supportsFormatCombination(-1, io.data(), 5, 1),
           "formats: positions outside the 6 tensors refused");
 }
 
