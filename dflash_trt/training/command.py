@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from dflash_trt.errors import TrainingError
+from dflash_trt.errors import OutputExistsError, TrainingError
 
 _TRAIN_EXAMPLES = """
 \b
@@ -49,6 +49,19 @@ def parse_layer_ids(text: str | None) -> tuple[int, ...] | None:
         raise TrainingError(f"--target-layer-ids: field `target_layer_ids` is {text!r}; expected comma-separated "
                             "decoder layer ids such as 1,3. Fix: pass --target-layer-ids 1,3 or omit it.")
     return ids
+
+
+def check_out_folder(out: Path, *, force: bool, resume: bool) -> None:
+    """``--out`` may be new or empty; a folder holding files (a drafter, anyone's) needs --force or --resume."""
+    if force and resume:
+        raise TrainingError("train: --force and --resume were both given; expected one (--resume continues the run "
+                            "in --out, --force starts afresh over it). Fix: drop one of them.")
+    if resume or force or not out.is_dir() or not any(out.iterdir()):
+        return
+    what = "a drafter (config.json)" if (out / "config.json").exists() else "files"
+    raise OutputExistsError(f"train: --out {out} already holds {what}; expected a new or empty folder (training "
+                            "writes config.json, model.safetensors, training.json and checkpoints/ there). Fix: pass "
+                            "--resume to continue that run, --force to overwrite, or choose another --out.")
 
 
 def build_train_config(**fields: object):
@@ -114,6 +127,8 @@ def build_train_config(**fields: object):
 @click.option("--fsdp", is_flag=True, help="Shard the drafter and its optimiser state across ranks (FSDP) instead "
               "of replicating them (DDP).")
 @click.option("--bf16", is_flag=True, help="bf16 autocast on CUDA (weights and optimiser state stay float32).")
+@click.option("--force", is_flag=True, help="Write into an --out that already holds files (a drafter's are "
+              "overwritten).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/state.pt (same flags and global batch; "
               "any number of ranks).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a summary.")
@@ -121,7 +136,7 @@ def train_command(target, out, prompts, block_len, layers, intermediate_size, ta
                   steps, epochs, seed, lr, batch_size, global_batch, max_anchors, labels, kl_weight, kl_temperature,
                   init_draft, num_openings, num_sampled, max_new_tokens, temperature, top_p, eval_prompts,
                   eval_max_new_tokens, checkpoint_every,
-                  threads, fsdp, bf16, resume, as_json) -> None:
+                  threads, fsdp, bf16, force, resume, as_json) -> None:
     """Distil a DFlash drafter from a target by self-distillation (the target writes its own training data)."""
     import json
 
@@ -130,6 +145,7 @@ def train_command(target, out, prompts, block_len, layers, intermediate_size, ta
     from dflash_trt.training.run import train
     from dflash_trt.training.world import torchrun_env
 
+    check_out_folder(out, force=force, resume=resume)
     config = build_train_config(
         target=target, out=out, block_len=block_len, layers=layers, intermediate_size=intermediate_size,
         target_layer_ids=parse_layer_ids(target_layer_ids),
