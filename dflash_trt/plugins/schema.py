@@ -98,10 +98,12 @@ BLOCK_ATTENTION = OpSchema(
 SCHEMAS: dict[str, OpSchema] = {BLOCK_ATTENTION.qualified_name: BLOCK_ATTENTION}
 
 # Which implementation binds each op in each backend; "unsupported" entries must say why (style R9).
+# torch: the torch.library op; onnxruntime: the function that registers the custom op; tensorrt: the
+# plugin creator class that the library's getCreators() exports.
 BINDINGS: dict[str, dict[str, str]] = {
     BLOCK_ATTENTION.qualified_name: {
         "torch": "dflash_trt.plugins.torch_ref.ops:block_attention",
-        "onnxruntime": "dflash_trt.plugins.onnxruntime.ops:DFlashBlockAttention",
-        "tensorrt": "dflash_trt/plugins/tensorrt/csrc/block_attention_plugin.cpp:DFlashBlockAttentionCreator",
+        "onnxruntime": "dflash_trt.plugins.onnxruntime.ops:register",
+        "tensorrt": "dflash_trt/plugins/tensorrt/csrc/block_attention_plugin.cpp:BlockAttentionCreator",
     },
 }
