@@ -7,13 +7,14 @@ within ``drain_timeout_s``, close the session, exit 0.
 from __future__ import annotations
 
 import signal
+import socket
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
-from dflash_trt.errors import BackendUnavailableError, RequestError
+from dflash_trt.errors import BackendUnavailableError, RequestError, ServingError
 
 
 class ServeConfig(BaseModel):
@@ -84,18 +85,34 @@ def serve(config: ServeConfig, announce=print) -> None:
                                       "expected the `serve` extra. Fix: pip install 'dflash-trt[serve]'.")
     import uvicorn
 
+    listener = _listen(config.host, config.port)  # before loading: a busy port fails in a second, not after
     app, model = build_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=config.drain_timeout_s))
-    announce(f"serving {model.id} on http://{config.host}:{config.port}/v1 (speculation {model.speculation}, block "
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=config.drain_timeout_s))
+    host, port = listener.getsockname()[:2]
+    announce(f"serving {model.id} on http://{host}:{port}/v1 (speculation {model.speculation}, block "
              f"{model.block_len}, max batch {model.max_batch}, queue {model.max_queue}, chat template "
              f"{model.chat_template})")
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler that was installed before it;
     # the drain is the whole shutdown, so that handler does nothing and the process exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _drained)
-    server.run()
+    server.run(sockets=[listener])
     announce("stopped")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise ServingError(f"cannot listen on {host}:{port} ({exc.strerror}); expected a free port on a local "
+                           "address. Fix: pass another --port (0 = any free one) or stop the process using it.") \
+            from None
+    listener.listen(2048)
+    return listener
 
 
 def _drained(signum, frame) -> None:  # noqa: ARG001 - a signal handler's signature
