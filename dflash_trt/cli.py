@@ -263,7 +263,8 @@ _register_build_command()
 
 
 def _user_error(exc: Exception) -> str | None:
-    """The one line for an ordinary mistake (ours, a file-system refusal, a bad config value), else None."""
+    """The one line for an ordinary mistake (ours, a file-system refusal, a bad config value or input file), else
+    None."""
     from pydantic import ValidationError
 
     from dflash_trt.errors import ConfigError, validation_error
@@ -276,6 +277,13 @@ def _user_error(exc: Exception) -> str | None:
         where = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
         return (f"{where or 'the operating system'}: {exc.strerror}. Fix: choose a path you can write (or read), "
                 "or free the space or permission it needs.")
+    # Last resorts for input files read without naming themselves (a source that knows the file says more)
+    if isinstance(exc, UnicodeDecodeError):
+        return (f"a file given to this command is not UTF-8 text ({exc.reason} at byte {exc.start}); expected UTF-8. "
+                "Fix: convert it (e.g. `iconv -t utf-8`) or pass another file.")
+    if isinstance(exc, json.JSONDecodeError):
+        return (f"a JSON file given to this command is malformed (line {exc.lineno}, column {exc.colno}: {exc.msg}). "
+                "Fix: correct that file's JSON.")
     return None
 
 

@@ -39,6 +39,19 @@ def test_cli_mistake_is_one_line_with_exit_code_2(monkeypatch, capsys, args, exp
     assert expected in err and "Fix:" in err
 
 
+@pytest.mark.parametrize(("command", "content", "expected"), [
+    ("eval", b"\xff\xfe binary", "UTF-8"), ("eval", b'{"prompt": "unterminated', "JSON"),
+    ("train", b"\xff\xfe binary", "UTF-8"), ("train", b'{"prompt": "unterminated', "JSON"),
+], ids=["eval-binary", "eval-malformed", "train-binary", "train-malformed"])
+def test_an_unreadable_prompts_file_is_one_line(tmp_path, monkeypatch, capsys, command, content, expected):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(content)
+    extra = ("--out", str(tmp_path / "drafter"), "--steps", "1") if command == "train" else ()
+    code, err = _cli(monkeypatch, capsys, command, "--prompts", str(prompts), *extra)
+    assert code == 2 and err.count("\n") == 0 and "Traceback" not in err
+    assert expected in err and "Fix:" in err
+
+
 def test_debug_shows_the_traceback(monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_DEBUG", "1")
     monkeypatch.setattr(sys, "argv", ["dflash-trt", "run", "--prompt", "Once", "--device", "tpu"])
