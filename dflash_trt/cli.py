@@ -95,6 +95,7 @@ def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temp
     from dflash_trt.config import SamplingParams
     from dflash_trt.runtime.policy import SpeculationConfig
     from dflash_trt.runtime.session import Session
+    from dflash_trt.plugins.registry import backend_spec
 
     if (prompt is None) == (prompt_ids is None):
         raise RequestError("expected exactly one of --prompt or --prompt-ids. Fix: pass --prompt \"text\" or "
@@ -103,7 +104,7 @@ def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temp
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         block_len=1 if no_draft else block_len, proposal=proposal,
         stop_token_ids=_parse_ids(stop_token_ids, "--stop-token-ids"))
-    if engine is None and backend not in ("auto", "torch"):
+    if engine is None and backend != "auto" and backend_spec(backend).needs_engine:
         raise RequestError(f"--backend is {backend!r} without --engine; expected auto or torch (checkpoints run on "
                            "torch; other backends run built graphs). Fix: build an engine with `dflash-trt build "
                            f"--backend {backend} --out engines/NAME` and pass --engine engines/NAME.")

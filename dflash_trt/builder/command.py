@@ -44,7 +44,7 @@ def _size(num: int) -> str:
               show_default=True, help="What to build.")
 @click.option("--quant", type=click.Choice(["none", "fp8", "nvfp4"]), default="none", show_default=True,
               help="Target weight quantization (ModelOpt formats).")
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Largest batch the artefacts accept.")
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
               help="Longest prompt + output. Default: min(target max_position_embeddings, 8192).")

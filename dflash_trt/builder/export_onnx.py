@@ -1,24 +1,31 @@
-"""ONNX export of the two networks a backend runs (architecture.md contract 2; environment.md §4.2).
+"""ONNX export of the two networks a backend runs (docs/design.md, backends; docs/environment.md, ONNX export).
 
-Both graphs take the live prefix of a KV cache as input and return only the rows they add, so a
-runtime can keep one static cache per network and feed ``cache[..., :P, :]`` (the onnxruntime
-backend does, on the host; the TensorRT backend on the device):
+The graphs are *batched* and read each row's KV cache **in place**: the runtime keeps one static cache
+per network, ``[slots, layers, nkv, S, d]`` (``S`` = its ``max_seq_len``), and binds the rows of the
+requests in a forward to the graph without copying them (ONNX Runtime I/O binding, TensorRT tensor
+addresses). A graph reads every row's whole buffer and masks what a query may not see, as static-cache
+decoders do (gpt-fast attends over its whole ``max_seq_length`` buffer), so a step's cost does not grow
+with the context beyond attention itself; it returns only the K/V rows it adds, which the runtime writes
+at each row's positions. Padding tokens sit at position ``S`` (no real query reaches it).
 
-* ``target.onnx``: ``tokens [B, T]`` int64, ``past_keys``/``past_values [N, B, nkv, P, d]`` ->
-  ``logits [B, T, V]``, ``taps [B, T, L*H]`` (outputs of the tapped layers, in ``target_layer_ids``
-  order), ``new_keys``/``new_values [N, B, nkv, T, d]``. Positions are ``P .. P+T-1``.
-* ``draft.onnx`` / ``draft_plugin.onnx``: ``block [B, Bc]`` int64 (anchor + masks), ``taps [B, c, L*H]``
-  (new context rows), ``past_keys``/``past_values [n, B, nkv, P, d]`` (context rows ``< P``) ->
-  ``draft_logits [B, Bc-1, V]``, ``context_keys``/``context_values [n, B, nkv, c, d]`` (the rows to
-  append; block K/V never survive a cycle, dflash.md §3.5). Context positions are ``P .. P+c-1`` and
-  the block sits at ``P+c ..``. The drafter graph contains the target's embedding and LM head.
+* ``target.onnx``: ``tokens [B, T]`` int64, ``positions [B, T]`` int64 (absolute, padding ``S``),
+  ``cache_lengths [B]`` int64 (valid cache rows per row; the rest are stale), ``key_cache``/``value_cache
+  [B, N, nkv, S, d]`` -> ``logits [B, T, V]``, ``taps [B, T, L*H]`` (outputs of the tapped layers in
+  ``target_layer_ids`` order), ``new_keys``/``new_values [B, N, nkv, T, d]``.
+* ``draft.onnx``: ``block [B, Bc]`` int64 (anchor + masks), ``block_positions [B, Bc]``, ``taps [B, C, L*H]``
+  (new context rows, right-aligned), ``context_positions [B, C]`` (padding ``S``), ``cache_lengths [B]``,
+  ``key_cache``/``value_cache [B, n, nkv, S, d]`` -> ``draft_logits [B, Bc-1, V]``,
+  ``context_keys``/``context_values [B, n, nkv, C, d]`` (the context rows to append; block K/V never
+  survive a cycle, docs/algorithm.md). The drafter graph contains the target's embedding and LM head.
 
-The ``plugin`` drafter variant computes attention with one ``DFlashBlockAttention`` node per layer
-(schema ``dflash::block_attention``) for TensorRT and parity; the standard variant expresses the same
-math in standard ONNX ops and is what ONNX Runtime runs by default (a Python custom op on the hot
-path costs far more than the attention itself). The torch modules of ``dflash_trt.model`` are
-reused as they are; ``DraftGraph`` only re-wires the attention call (parity-tested against the torch
-backend). Exported with ``torch.onnx.export(dynamo=True)`` (needs onnxscript), opset 20.
+Both are traced from the model's own modules (``TargetModel`` layers, ``DraftHead``'s fusion, layers,
+norm and LM head, and its visibility rule): only the cache is a stand-in (:class:`_BoundCache`).
+
+``draft_plugin.onnx`` is the TensorRT variant: attention is one ``DFlashBlockAttention`` node per layer
+(schema ``dflash::block_attention``), whose rows share one context length, so it keeps the prefix I/O
+(``block``, ``taps [B, c, L*H]``, ``past_keys``/``past_values [n, B, nkv, P, d]`` -> ``draft_logits``,
+``context_keys``/``context_values [n, B, nkv, c, d]``). Exported with ``torch.onnx.export(dynamo=True)``
+(needs onnxscript), opset 20.
 """
 
 from __future__ import annotations
@@ -34,17 +41,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_trt.model.draft_head import DraftHead
-from dflash_trt.model.layers import apply_rope
+from dflash_trt.model.block_attention import visible
+from dflash_trt.model.layers import attend
 from dflash_trt.model.target import TargetModel
-from dflash_trt.plugins.torch_ref.ops import block_attention_reference
 
 OPSET = 20
-TARGET_INPUTS = ("tokens", "past_keys", "past_values")
+TARGET_INPUTS = ("tokens", "positions", "cache_lengths", "key_cache", "value_cache")
 TARGET_OUTPUTS = ("logits", "taps", "new_keys", "new_values")
-DRAFT_INPUTS = ("block", "taps", "past_keys", "past_values")
+DRAFT_INPUTS = ("block", "block_positions", "taps", "context_positions", "cache_lengths", "key_cache",
+                "value_cache")
 DRAFT_OUTPUTS = ("draft_logits", "context_keys", "context_values")
+PLUGIN_DRAFT_INPUTS = ("block", "taps", "past_keys", "past_values")
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; larger graphs keep weights beside them
-_EXAMPLE_BATCH = 2  # an example dim of 1 would be specialised to a constant (environment.md §4.2)
+_EXAMPLE_BATCH = 2  # an example dim of 1 would be specialised to a constant (docs/environment.md)
 
 
 @dataclass(frozen=True)
@@ -56,108 +65,142 @@ class GraphLimits:
     block_len: int
 
 
-class _PrefixCache:
-    """Stands in for ``StaticKVCache`` inside an exported graph: the past rows come in as an input,
-    ``write`` returns ``[past ; new]`` and remembers the new rows as graph outputs."""
+class _BoundCache:
+    """Stands in for ``StaticKVCache`` in a graph: ``write`` returns ``[bound cache rows ; new rows]`` for
+    every row and remembers the new rows as graph outputs. Shapes: caches ``[B, N, nkv, S, d]``."""
 
-    def __init__(self, past_keys: Tensor, past_values: Tensor) -> None:
-        self.past_keys, self.past_values = past_keys, past_values  # [N, B, nkv, P, d]
+    def __init__(self, key_cache: Tensor, value_cache: Tensor) -> None:
+        self.key_cache, self.value_cache = key_cache, value_cache
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
 
-    def write(self, layer: int, start: int, keys: Tensor, values: Tensor,
-              positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        self.new_keys.append(keys)
+    def write(self, layer: int, start, keys: Tensor, values: Tensor, positions: Tensor | None = None
+              ) -> tuple[Tensor, Tensor]:
+        self.new_keys.append(keys)  # [B, nkv, T, d]
         self.new_values.append(values)
-        return torch.cat([self.past_keys[layer], keys], dim=2), torch.cat([self.past_values[layer], values], dim=2)
+        return (torch.cat([self.key_cache[:, layer], keys], dim=2),
+                torch.cat([self.value_cache[:, layer], values], dim=2))
+
+    def outputs(self) -> tuple[Tensor, Tensor]:
+        """``[B, N, nkv, T, d]`` each."""
+        return torch.stack(self.new_keys, dim=1), torch.stack(self.new_values, dim=1)
+
+
+def _cache_key_valid(cache_lengths: Tensor, length: int | Tensor) -> Tensor:
+    """``[B, 1, S]``: cache row ``j`` of row ``b`` holds a committed position iff ``j < cache_lengths[b]``."""
+    rows = torch.arange(length, device=cache_lengths.device)
+    return (rows.view(1, -1) < cache_lengths.view(-1, 1)).unsqueeze(1)
 
 
 class TargetGraph(nn.Module):
-    """``TargetModel`` as a function of (tokens, past K/V); the decoder layers are the model's own."""
+    """``TargetModel`` as a function of (tokens, positions, bound caches); the decoder layers are the model's."""
 
-    def __init__(self, model: TargetModel, tap_ids: tuple[int, ...], max_seq_len: int) -> None:
+    def __init__(self, model: TargetModel, tap_ids: tuple[int, ...]) -> None:
         super().__init__()
         self.model = model
         self.tap_ids = tap_ids
-        self.register_buffer("cos", model.rotary.cos[:max_seq_len].clone(), persistent=False)
-        self.register_buffer("sin", model.rotary.sin[:max_seq_len].clone(), persistent=False)
 
-    def forward(self, tokens: Tensor, past_keys: Tensor, past_values: Tensor) -> tuple[Tensor, ...]:
-        batch, length = tokens.shape
-        past = past_keys.shape[3]
-        positions = torch.arange(past, past + length, device=tokens.device)
+    def forward(self, tokens: Tensor, positions: Tensor, cache_lengths: Tensor, key_cache: Tensor,
+                value_cache: Tensor) -> tuple[Tensor, ...]:
+        slots = key_cache.shape[3]  # S: padding tokens sit at position S
         h = self.model.embed_tokens(tokens)
-        cos = self.cos[positions].expand(batch, 1, length, -1)
-        sin = self.sin[positions].expand(batch, 1, length, -1)
-        key_positions = torch.arange(past + length, device=tokens.device)
-        mask = (key_positions.view(1, -1) <= positions.view(-1, 1)).view(1, 1, length, past + length)
-        cache = _PrefixCache(past_keys, past_values)
+        cos, sin = self.model.rotary.lookup(positions, h.dtype)
+        queries = positions.unsqueeze(-1)  # [B, T, 1]
+        own = positions.unsqueeze(1)  # [B, 1, T]
+        # a query sees the committed cache rows and the new rows at or before it; padding queries see all
+        mask = torch.cat([_cache_key_valid(cache_lengths, slots).expand(-1, tokens.shape[1], -1),
+                          own <= queries], dim=-1) | (queries >= slots)
+        mask = mask.unsqueeze(1)  # [B, 1, T, S+T]
+        cache = _BoundCache(key_cache, value_cache)
         taps: dict[int, Tensor] = {}
         for index, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, index, past, mask, None)
+            h = layer(h, cos, sin, cache, index, 0, mask, positions)
             if index in self.tap_ids:  # id N-1 is final-normed, as in TargetModel (transformers' hidden_states[N])
                 taps[index] = self.model.norm(h) if index == len(self.model.layers) - 1 else h
         logits = self.model.lm_head(self.model.norm(h))
         outputs = (logits,)
         if self.tap_ids:
             outputs += (torch.cat([taps[i] for i in self.tap_ids], dim=-1),)
-        return outputs + (torch.stack(cache.new_keys), torch.stack(cache.new_values))
+        return outputs + cache.outputs()
+
+
+class _BoundKeys:
+    """A draft layer's keys in the batched graph: ``[bound cache rows ; new context ; block]`` under ``masks``.
+
+    The new context rows are kept as graph outputs (the runtime appends them to its cache; block K/V
+    never survive a cycle). Shapes: caches ``[B, n, nkv, S, d]``; masks ``[B, 1, Bc, S+C+Bc]``.
+    """
+
+    def __init__(self, key_cache: Tensor, value_cache: Tensor, masks: dict[tuple[bool, bool], Tensor]) -> None:
+        self.key_cache, self.value_cache, self.masks = key_cache, value_cache, masks
+        self.new_keys: list[Tensor] = []
+        self.new_values: list[Tensor] = []
+
+    def __call__(self, layer: int, attn, q: Tensor, context_k: Tensor, context_v: Tensor, block_k: Tensor,
+                 block_v: Tensor) -> Tensor:
+        self.new_keys.append(context_k)  # [B, nkv, C, d]
+        self.new_values.append(context_v)
+        keys = torch.cat([self.key_cache[:, layer], context_k, block_k], dim=2)
+        values = torch.cat([self.value_cache[:, layer], context_v, block_v], dim=2)
+        return attend(q, keys, values, self.masks[attn.mask_kind])
 
 
 class DraftGraph(nn.Module):
-    """``DraftHead`` plus the borrowed embedding and LM head as a function of (block, taps, past context K/V).
+    """``DraftHead`` plus the borrowed embedding and LM head as a function of (block, context, bound caches).
 
-    Mirrors ``DraftHead.forward`` / ``DraftLayer.forward`` step for step; the attention over
-    ``[context ‖ block]`` is the schema op (``plugin=True``) or its reference in standard ops.
+    The network is ``DraftHead.run_layers`` and the masks are ``model.block_attention.visible``: only the
+    key source (bound caches) is the graph's own.
     """
 
-    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor, max_seq_len: int,
-                 plugin: bool) -> None:
+    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
         super().__init__()
         self.head = head
-        self.plugin = plugin
         self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
         self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
-        self.register_buffer("cos", head.rotary.cos[:max_seq_len].clone(), persistent=False)
-        self.register_buffer("sin", head.rotary.sin[:max_seq_len].clone(), persistent=False)
 
-    def _attention(self, q: Tensor, context_k: Tensor, context_v: Tensor, block_k: Tensor, block_v: Tensor,
-                   sliding: bool, causal: bool) -> Tensor:
-        cfg = self.head.config
-        scale = cfg.head_dim ** -0.5
-        window = cfg.sliding_window if sliding else 0
-        causal = int(causal)
-        if self.plugin:
-            return torch.ops.dflash.block_attention(q, context_k, context_v, block_k, block_v, scale, window, causal)
-        return block_attention_reference(q, context_k, context_v, block_k, block_v, scale, window, causal)
+    def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
+                cache_lengths: Tensor, key_cache: Tensor, value_cache: Tensor) -> tuple[Tensor, ...]:
+        head = self.head
+        slots = key_cache.shape[3]
+        queries = block_positions.unsqueeze(-1)  # [B, Bc, 1]
+        cache_rows = torch.arange(slots, device=block.device).view(1, 1, -1).expand(block.shape[0], -1, -1)
+        key_positions = torch.cat([cache_rows, context_positions.unsqueeze(1), block_positions.unsqueeze(1)], -1)
+        valid = torch.cat([_cache_key_valid(cache_lengths, slots), context_positions.unsqueeze(1) < slots,
+                           block_positions.unsqueeze(1) < slots], dim=-1)  # [B, 1, S+C+Bc]
+        padding = queries >= slots  # padding queries see every key (finite, unused)
+        masks = {}
+        for causal, sliding in head.mask_kinds:
+            window = head.config.sliding_window if sliding else 0
+            masks[(causal, sliding)] = ((valid & visible(queries, key_positions, causal, window)) | padding
+                                        ).unsqueeze(1)
+        keys = _BoundKeys(key_cache, value_cache, masks)
+        embeds = F.embedding(block, self.embed) * head.config.input_embedding_scale
+        hidden = head.run_layers(embeds, taps, head.rotary.lookup(block_positions, embeds.dtype),
+                                 head.rotary.lookup(context_positions, embeds.dtype), keys)
+        logits = head.logits(hidden[:, 1:], self.lm_head)
+        return logits, torch.stack(keys.new_keys, dim=1), torch.stack(keys.new_values, dim=1)
+
+
+class PluginDraftGraph(nn.Module):
+    """The drafter for TensorRT: ``DraftHead.forward_op`` with attention as the ``dflash::block_attention`` node.
+
+    The op has no per-row masks, so the rows of a call share one context length (prefix I/O).
+    """
+
+    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        super().__init__()
+        self.head = head
+        self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
+        self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
 
     def forward(self, block: Tensor, taps: Tensor, past_keys: Tensor, past_values: Tensor) -> tuple[Tensor, ...]:
-        cfg = self.head.config
         batch, length = block.shape
-        context = taps.shape[1]
         past = past_keys.shape[3]
-        positions = torch.arange(past, past + context + length, device=block.device)
-        cos = self.cos[positions].expand(batch, 1, context + length, -1)
-        sin = self.sin[positions].expand(batch, 1, context + length, -1)
-        ctx = self.head.hidden_norm(self.head.fc(taps))  # [B, c, H]
-        h = F.embedding(block, self.embed) * cfg.input_embedding_scale
-        new_keys, new_values = [], []
-        for index, layer in enumerate(self.head.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)  # the context is not normed here (dflash.md §2.4 step 1)
-            q = attn.q_norm(attn.q_proj(x).view(batch, length, cfg.num_heads, cfg.head_dim))
-            q = apply_rope(q.transpose(1, 2), cos[:, :, context:], sin[:, :, context:])
-            k, v = attn.project_kv(torch.cat([ctx, x], dim=1), cos, sin)  # [B, nkv, c+Bc, d]
-            context_k = torch.cat([past_keys[index], k[:, :, :context]], dim=2)
-            context_v = torch.cat([past_values[index], v[:, :, :context]], dim=2)
-            out = self._attention(q, context_k, context_v, k[:, :, context:], v[:, :, context:], attn.sliding,
-                                  attn.causal)
-            h = h + attn.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            new_keys.append(k[:, :, :context])
-            new_values.append(v[:, :, :context])
-        logits = self.head.logits(self.head.norm(h[:, 1:]), self.lm_head)
-        return logits, torch.stack(new_keys), torch.stack(new_values)
+        positions = torch.arange(past, past + taps.shape[1] + length, device=block.device).expand(batch, -1)
+        embeds = F.embedding(block, self.embed) * self.head.config.input_embedding_scale
+        hidden, context_keys, context_values = self.head.forward_op(
+            embeds, taps, positions, past_keys, past_values, op=torch.ops.dflash.block_attention)
+        return self.head.logits(hidden, self.lm_head), context_keys, context_values
 
 
 @contextlib.contextmanager
@@ -206,21 +249,52 @@ def export_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limi
     from torch.export import Dim
 
     cfg = model.config
-    weight = model.embed_tokens.weight
+    dtype = model.embed_tokens.weight.dtype
     batch = Dim("batch", min=1, max=max(_EXAMPLE_BATCH, limits.max_batch_size))
     tokens = Dim("tokens", min=1, max=limits.max_seq_len)
-    past = Dim("past", min=0, max=limits.max_seq_len - 1)
-    cache_shape = (cfg.num_layers, _EXAMPLE_BATCH, cfg.num_kv_heads, 4, cfg.head_dim)
-    args = (torch.randint(0, cfg.vocab_size, (_EXAMPLE_BATCH, 3)),
-            torch.zeros(cache_shape, dtype=weight.dtype), torch.zeros(cache_shape, dtype=weight.dtype))
-    cache_dims = {1: batch, 3: past}
+    cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
+    example_tokens, example_cache = 3, 7  # distinct sizes so no dim is specialised to another
+    cache_shape = (_EXAMPLE_BATCH, cfg.num_layers, cfg.num_kv_heads, example_cache, cfg.head_dim)
+    args = (torch.randint(0, cfg.vocab_size, (_EXAMPLE_BATCH, example_tokens)),
+            torch.arange(2, 2 + example_tokens).repeat(_EXAMPLE_BATCH, 1), torch.full((_EXAMPLE_BATCH,), 2),
+            torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
+    cache_dims = {0: batch, 3: cache_len}
     outputs = TARGET_OUTPUTS if tap_ids else tuple(n for n in TARGET_OUTPUTS if n != "taps")
-    return _export(TargetGraph(model, tuple(tap_ids), limits.max_seq_len), args, TARGET_INPUTS, outputs,
-                   {"tokens": {0: batch, 1: tokens}, "past_keys": cache_dims, "past_values": cache_dims}, path, {})
+    return _export(TargetGraph(model, tuple(tap_ids)), args, TARGET_INPUTS, outputs,
+                   {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "cache_lengths": {0: batch},
+                    "key_cache": cache_dims, "value_cache": cache_dims}, path, {})
 
 
 def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits, plugin: bool) -> Path:
-    """Write the drafter graph (float32): standard ops, or ``DFlashBlockAttention`` nodes when ``plugin``."""
+    """Write the drafter graph (float32): ``draft.onnx`` (batched, standard ops) or, with ``plugin``,
+    ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O)."""
+    if plugin:
+        return _export_plugin_draft(head, target, path, limits)
+    from torch.export import Dim
+
+    cfg = head.config
+    dtype = head.fc.weight.dtype
+    example_block = 2 if limits.block_len == 2 else 3
+    example_context, example_cache = 5, 7
+    batch = Dim("batch", min=1, max=max(_EXAMPLE_BATCH, limits.max_batch_size))
+    block = Dim("block", min=2, max=max(example_block, limits.block_len))
+    context = Dim("context", min=1, max=limits.max_seq_len)
+    cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
+    cache_shape = (_EXAMPLE_BATCH, cfg.num_layers, cfg.num_kv_heads, example_cache, cfg.head_dim)
+    args = (torch.randint(0, cfg.vocab_size, (_EXAMPLE_BATCH, example_block)),
+            torch.arange(example_context, example_context + example_block).repeat(_EXAMPLE_BATCH, 1),
+            torch.zeros(_EXAMPLE_BATCH, example_context, cfg.num_taps * cfg.hidden_size, dtype=dtype),
+            torch.arange(example_context).repeat(_EXAMPLE_BATCH, 1), torch.zeros(_EXAMPLE_BATCH, dtype=torch.long),
+            torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
+    cache_dims = {0: batch, 3: cache_len}
+    graph = DraftGraph(head, target.embed_tokens.weight, target.lm_head.weight)
+    return _export(graph, args, DRAFT_INPUTS, DRAFT_OUTPUTS,
+                   {"block": {0: batch, 1: block}, "block_positions": {0: batch, 1: block},
+                    "taps": {0: batch, 1: context}, "context_positions": {0: batch, 1: context},
+                    "cache_lengths": {0: batch}, "key_cache": cache_dims, "value_cache": cache_dims}, path, {})
+
+
+def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits) -> Path:
     from torch.export import Dim
 
     from dflash_trt.plugins.onnx_nodes import block_attention_translation
@@ -238,8 +312,8 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
             torch.zeros(_EXAMPLE_BATCH, 2, cfg.num_taps * cfg.hidden_size, dtype=weight.dtype),
             torch.zeros(cache_shape, dtype=weight.dtype), torch.zeros(cache_shape, dtype=weight.dtype))
     cache_dims = {1: batch, 3: past}
-    graph = DraftGraph(head, target.embed_tokens.weight, target.lm_head.weight, limits.max_seq_len, plugin)
-    translations = {torch.ops.dflash.block_attention.default: block_attention_translation()} if plugin else {}
-    return _export(graph, args, DRAFT_INPUTS, DRAFT_OUTPUTS,
+    graph = PluginDraftGraph(head, target.embed_tokens.weight, target.lm_head.weight)
+    translations = {torch.ops.dflash.block_attention.default: block_attention_translation()}
+    return _export(graph, args, PLUGIN_DRAFT_INPUTS, DRAFT_OUTPUTS,
                    {"block": {0: batch, 1: block}, "taps": {0: batch, 1: context}, "past_keys": cache_dims,
                     "past_values": cache_dims}, path, translations)

@@ -27,8 +27,8 @@ from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import EngineFormatError, IncompatibleEngineError
 
 FORMAT = "dflash-trt-engine"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (2,)
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 20
 _FROZEN = ConfigDict(extra="forbid", frozen=True)

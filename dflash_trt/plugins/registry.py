@@ -1,17 +1,35 @@
-"""Backend registry: name -> factory. Unknown names raise an error listing the known ones (style R9).
+"""Backend registry: every backend registers once, by name, with its capabilities (style R9).
 
-A factory is called as ``factory(pair, max_seq_len, engine)``: ``engine`` is the verified
-``runtime.engine_loader.LoadedEngine`` when the session comes from an engine folder, else None.
-Backends that execute built artefacts (onnxruntime, tensorrt) need one; the torch backend runs
-the pair's modules and ignores it. ``auto`` resolves to the fastest backend that can run here
-(``runtime.engine_loader.resolve_backend`` for engine folders; ``torch`` for checkpoints).
+A ``BackendSpec`` says what a backend needs and whether it can run on this machine; the CLI, the
+engine loader and ``Session`` read those capabilities here instead of keeping lists of names.
+A factory is called as ``factory(pair, max_seq_len, engine, max_batch)``: ``engine`` is the verified
+``runtime.engine_loader.LoadedEngine`` for backends that execute built artefacts, else None.
+``auto`` resolves to the fastest registered backend that can run here (``rank``: lower is faster).
+Unknown names raise an error listing the known ones.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Callable
 
-from dflash_trt.errors import BackendUnavailableError
+from dflash_trt.errors import BackendUnavailableError, ConfigError
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend: how to build it and what it can do."""
+
+    name: str
+    factory: Callable
+    needs_engine: bool  # runs the artefacts of an engine folder (not checkpoints)
+    rank: int  # ``auto`` tries lower ranks first: the faster backend where both can run
+    blocker: Callable[[object], str | None]  # (manifest or None) -> why it cannot run here, None when it can
+    batched: bool = True  # serves many requests per forward (every registered backend does)
+
+    def why_not_runnable(self, manifest=None) -> str | None:
+        return self.blocker(manifest)
 
 
 def _torch_backend(pair, max_seq_len, engine=None, max_batch=1):
@@ -25,11 +43,12 @@ def _onnxruntime_backend(pair, max_seq_len, engine=None, max_batch=1):
         raise BackendUnavailableError("backend 'onnxruntime' runs the ONNX graphs of an engine folder; got "
                                       "checkpoints. Fix: `dflash-trt build --backend onnxruntime --out engines/NAME`, "
                                       "then Session.load('engines/NAME') / `dflash-trt run --engine engines/NAME`.")
+    check_engine_batch(engine, max_batch)
     from dflash_trt.plugins.onnxruntime.backend import OrtBackend
 
     return OrtBackend(pair.target.config, pair.draft.config if pair.draft is not None else None,
                       engine.target_graph, engine.draft_graph if pair.draft is not None else None, max_seq_len,
-                      engine.manifest.quantization.mode)
+                      engine.manifest.quantization.mode, max_batch)
 
 
 def _tensorrt_backend(pair, max_seq_len, engine=None, max_batch=1):
@@ -37,28 +56,61 @@ def _tensorrt_backend(pair, max_seq_len, engine=None, max_batch=1):
         raise BackendUnavailableError("backend 'tensorrt' runs the TensorRT plans of an engine folder; got "
                                       "checkpoints. Fix: `dflash-trt build --backend tensorrt --out engines/NAME` on a "
                                       "GPU machine, then Session.load('engines/NAME').")
+    check_engine_batch(engine, max_batch)
     from dflash_trt.plugins.tensorrt.backend import TensorRTBackend
 
-    return TensorRTBackend(pair, engine, max_seq_len)
+    return TensorRTBackend(pair, engine, max_seq_len, max_batch)
 
 
-_FACTORIES: dict[str, Callable] = {"torch": _torch_backend, "onnxruntime": _onnxruntime_backend,
-                                   "tensorrt": _tensorrt_backend}
+def check_engine_batch(engine, max_batch: int) -> None:
+    """Refuse a session wider than the engine's artefacts were built for (never silently run narrower)."""
+    built = engine.manifest.build.max_batch_size
+    if max_batch > built:
+        raise ConfigError(f"max_batch is {max_batch}; the engine {engine.folder} was built for at most {built} "
+                          f"requests per forward (manifest build.max_batch_size). Fix: pass max_batch <= {built} "
+                          f"(--max-batch {built}), or rebuild with `dflash-trt build ... --max-batch-size {max_batch}`.")
 
 
-def register_backend(name: str, factory: Callable) -> None:
-    _FACTORIES[name] = factory
+def _onnxruntime_blocker(manifest) -> str | None:
+    if find_spec("onnxruntime") is None:
+        return "the onnxruntime package is not installed (pip install 'dflash-trt[onnx]')"
+    return None
+
+
+def _tensorrt_blocker(manifest) -> str | None:
+    from dflash_trt.plugins.tensorrt.device import tensorrt_blocker
+
+    return tensorrt_blocker(manifest.tensorrt if manifest is not None else None)
+
+
+_SPECS: dict[str, BackendSpec] = {}
+
+
+def register_backend(spec: BackendSpec) -> None:
+    _SPECS[spec.name] = spec
+
+
+register_backend(BackendSpec("tensorrt", _tensorrt_backend, needs_engine=True, rank=0, blocker=_tensorrt_blocker))
+register_backend(BackendSpec("onnxruntime", _onnxruntime_backend, needs_engine=True, rank=1,
+                             blocker=_onnxruntime_blocker))
+register_backend(BackendSpec("torch", _torch_backend, needs_engine=False, rank=2, blocker=lambda manifest: None))
 
 
 def available_backends() -> list[str]:
-    return sorted(_FACTORIES)
+    """Registered names, fastest first."""
+    return [spec.name for spec in sorted(_SPECS.values(), key=lambda spec: spec.rank)]
+
+
+def backend_spec(name: str) -> BackendSpec:
+    if name not in _SPECS:
+        raise BackendUnavailableError(f"backend is {name!r}; expected one of {available_backends()} or 'auto'. "
+                                      "Fix: pass --backend auto.")
+    return _SPECS[name]
 
 
 def create_backend(name: str, pair, max_seq_len: int, engine=None, max_batch: int = 1):
-    """Instantiate backend ``name``; ``auto`` without an engine folder is ``torch``."""
+    """Instantiate backend ``name``; ``auto`` without an engine folder is the fastest one that runs checkpoints."""
     if name == "auto":
-        name = "torch"
-    if name not in _FACTORIES:
-        raise BackendUnavailableError(f"backend is {name!r}; expected one of {available_backends()} or 'auto'. "
-                                      "Fix: pass --backend torch.")
-    return _FACTORIES[name](pair, max_seq_len, engine, max_batch)
+        name = next(spec.name for spec in sorted(_SPECS.values(), key=lambda spec: spec.rank)
+                    if not spec.needs_engine)
+    return backend_spec(name).factory(pair, max_seq_len, engine, max_batch)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dflash_trt.plugins.interface import BatchedBackend, DraftRow, TargetRow
+from dflash_trt.plugins.interface import Backend, DraftRow, TargetRow
 from dflash_trt.runtime.costs import CostModel
 
 _REPEATS = 5
@@ -35,7 +35,7 @@ def _timed(run) -> float:
     return best
 
 
-def calibrate(backend: BatchedBackend, costs: CostModel, has_drafter: bool, block_len: int) -> CostModel:
+def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: int) -> CostModel:
     """Fill ``costs`` with the best-of-5 time of verify and draft forwards (batch x width grid).
 
     Rows start at position 0 of every slot (scratch content; all slots are reset afterwards).

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -21,11 +20,8 @@ from dflash_trt.model.pair import ModelPair
 from dflash_trt.builder.manifest import Manifest, artefact_file, read_manifest, verify_artefacts
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
 from dflash_trt.model.target import TargetModel
+from dflash_trt.plugins.registry import available_backends, backend_spec
 from dflash_trt.plugins.schema import SCHEMAS
-
-SESSION_BACKENDS = ("tensorrt", "onnxruntime", "torch")
-"""Backends ``Session`` can drive, fastest first (what ``auto`` tries)."""
-
 
 @dataclass(frozen=True)
 class LoadedEngine:
@@ -57,24 +53,13 @@ class LoadedEngine:
         return self.manifest.build.max_seq_len
 
 
-def _runnable_here(manifest: Manifest, name: str) -> str | None:
-    """Why backend ``name`` cannot run this folder on this machine, or None when it can."""
-    if name == "onnxruntime" and find_spec("onnxruntime") is None:
-        return "the onnxruntime package is not installed (pip install 'dflash-trt[onnx]')"
-    if name == "tensorrt":
-        from dflash_trt.plugins.tensorrt.device import tensorrt_blocker
-
-        return tensorrt_blocker(manifest.tensorrt)
-    return None
-
-
 def resolve_backend(manifest: Manifest, requested: str, folder: Path) -> str:
     """``auto`` -> the fastest backend the folder holds and this machine runs; else check ``requested``."""
-    held = [name for name in SESSION_BACKENDS if name in manifest.backends]
+    held = [name for name in available_backends() if name in manifest.backends]
     if requested == "auto":
         reasons = {}
         for name in held:
-            reasons[name] = _runnable_here(manifest, name)
+            reasons[name] = backend_spec(name).why_not_runnable(manifest)
             if reasons[name] is None:
                 return name
         raise BackendUnavailableError(f"{folder}: no backend of this engine can run here: "
@@ -85,13 +70,12 @@ def resolve_backend(manifest: Manifest, requested: str, folder: Path) -> str:
         raise BackendUnavailableError(f"{folder}: backend 'trtllm' is served by TensorRT-LLM, not by Session. Fix: "
                                       f"`trtllm-serve <target> --config {folder}/trtllm/llm_api_options.yaml`, or "
                                       "dflash_trt.builder.bundle_trtllm.TrtLlmRunner on a GPU machine.")
-    if requested not in SESSION_BACKENDS:
-        raise BackendUnavailableError(f"backend is {requested!r}; expected one of {list(SESSION_BACKENDS)} or 'auto'.")
+    spec = backend_spec(requested)  # an unknown name is refused there, listing the known ones
     if requested not in manifest.backends:
         raise IncompatibleEngineError(f"{folder}: backend {requested!r} was not built into this engine; it holds "
                                       f"{list(manifest.backends)}. Fix: pass --backend {held[0] if held else 'auto'}, "
                                       f"or rebuild with `dflash-trt build --backend {requested} --out {folder} ...`.")
-    reason = _runnable_here(manifest, requested)
+    reason = spec.why_not_runnable(manifest)
     if reason is not None:
         raise BackendUnavailableError(f"{folder}: backend {requested!r} cannot run here: {reason}. Fix: run on a "
                                       f"machine that has it, or pass --backend {held[-1]}.")

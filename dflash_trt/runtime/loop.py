@@ -1,7 +1,7 @@
 """The draft-verify loop of one request (dflash.md §3.2; parity target: ``dflash_generate`` 0.1.0).
 
 ``RequestState`` holds one request's state and performs each step of a cycle; the scheduler runs
-the forwards of many requests together, and :func:`decode` runs one request alone. A cycle with
+the forwards of many requests together (a request alone is a one-row batch). A cycle with
 ``draft_len == 0`` runs no drafter: plain autoregressive decoding through the same code, so a
 speed-up measured against it cannot come from harness differences. Timing and stats belong to
 the caller (style R11).
@@ -10,13 +10,12 @@ the caller (style R11).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor
 
 from dflash_trt.config import SamplingParams
-from dflash_trt.plugins.interface import BatchedBackend, DraftRow, TargetRow
+from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.runtime.sampling import draw, sampling_probs
 from dflash_trt.runtime.verify import Verdict, accept_greedy, accept_onehot, accept_rejection
 
@@ -131,20 +130,3 @@ class RequestState:
         if self.draft_probs is None:
             return accept_onehot(self.drafts, target_probs, self.generator)
         return accept_rejection(self.drafts, self.draft_probs, target_probs, self.generator)
-
-
-def decode(backend: BatchedBackend, state: RequestState) -> Iterator[Cycle]:
-    """Run one request alone, cycle by cycle, with a fixed draft length of ``block_len - 1``."""
-    backend.reset_slot(state.slot)
-    ((logits, taps),) = backend.target_batch([state.prefill_row()], state.uses_drafter)
-    yield state.finish_prefill(logits, taps)
-    while not state.finished:
-        row = state.draft_row(state.block_len - 1)
-        if row is not None:
-            (draft_logits,) = backend.draft_batch([row])
-            state.take_drafts(draft_logits)
-        ((logits, taps),) = backend.target_batch([state.verify_row()], state.uses_drafter)
-        cycle = state.finish_verify(logits, taps)
-        # crop to start: the bonus is not in the cache; it is verified as slot 0 of the next block
-        backend.crop_target_slot(state.slot, state.start)
-        yield cycle

@@ -20,7 +20,7 @@ from collections import deque
 from typing import Callable
 
 from dflash_trt.errors import RequestError
-from dflash_trt.plugins.interface import BatchedBackend
+from dflash_trt.plugins.interface import Backend
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import Cycle, RequestState
 from dflash_trt.runtime.planner import AutoPlanner, RequestMemory
@@ -38,7 +38,7 @@ class _Active:
 class Scheduler:
     """Owns the backend's cache slots; ``submit`` is thread-safe."""
 
-    def __init__(self, backend: BatchedBackend, speculation: SpeculationConfig, costs: CostModel) -> None:
+    def __init__(self, backend: Backend, speculation: SpeculationConfig, costs: CostModel) -> None:
         self.backend, self.speculation, self.costs = backend, speculation, costs
         # lowest free slot first, and active requests kept in slot order: a full batch then reads the KV cache
         # as one view (slots 0..B-1), not a gather

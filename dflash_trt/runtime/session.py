@@ -22,9 +22,8 @@ import torch
 from dflash_trt.builder.load import load_pair
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
-from dflash_trt.errors import RequestError
+from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.plugins.registry import create_backend
-from dflash_trt.plugins.interface import as_batched
 from dflash_trt.runtime.calibration import calibrate
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import Cycle, RequestState
@@ -95,10 +94,13 @@ class Session:
         self.backend = create_backend(backend, pair, self.max_seq_len, engine, max_batch)
         self.tokenizer: Tokenizer | None = pair.tokenizer
         self.costs = CostModel()
-        batched = as_batched(self.backend)
+        if self.backend.max_batch < max_batch:
+            raise ConfigError(f"max_batch is {max_batch}; backend {self.backend.name!r} serves at most "
+                              f"{self.backend.max_batch} requests per forward. Fix: pass max_batch <= "
+                              f"{self.backend.max_batch}, or pick a backend/engine built for {max_batch}.")
         if self.speculation.mode == "auto":
-            calibrate(batched, self.costs, pair.draft is not None, self.default_block_len)
-        self._scheduler = Scheduler(batched, self.speculation, self.costs)
+            calibrate(self.backend, self.costs, pair.draft is not None, self.default_block_len)
+        self._scheduler = Scheduler(self.backend, self.speculation, self.costs)
         # Everything alive now (weights, imports, tokenizer) lives as long as the session: move it out of the
         # cyclic GC's reach, so a full collection does not stall a step scanning it (100+ ms pauses in a
         # batch-64 step here; vLLM freezes after start-up for the same reason). Refcounting still frees it.

@@ -125,7 +125,12 @@ def _check_source(config: TritonExportConfig) -> None:
     if config.engine is not None:
         from dflash_trt.builder.manifest import read_manifest
 
-        read_manifest(config.engine)
+        built = read_manifest(config.engine).build.max_batch_size
+        if config.max_batch_size > built:
+            raise ServingError(f"--max-batch-size is {config.max_batch_size}; the engine {config.engine} serves at "
+                               f"most {built} requests per forward (manifest build.max_batch_size). Fix: pass "
+                               f"--max-batch-size {built} or less, or rebuild the engine with --max-batch-size "
+                               f"{config.max_batch_size}.")
     if config.draft is not None:
         from dflash_trt.builder.draft_checkpoint import parse_draft_config
         from dflash_trt.builder.safe_files import read_json

@@ -25,8 +25,10 @@ def _io(path):
 def test_target_graph_has_cache_inputs_and_tap_outputs(engine):
     model, inputs, outputs = _io(engine / "onnx" / "target.onnx")
     assert tuple(inputs) == TARGET_INPUTS and tuple(outputs) == TARGET_OUTPUTS
-    past = model.graph.input[1].type.tensor_type.shape.dim
-    assert [d.dim_param or d.dim_value for d in past] == [5, "batch", 4, "past", 8]  # stories260K: 5 layers, nkv 4
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    # the bound cache: [batch, layers, nkv, S, d], stories260K: 5 layers, nkv 4, head_dim 8
+    assert dims["key_cache"] == dims["value_cache"] == ["batch", 5, 4, "cache_len", 8]
+    assert dims["tokens"] == dims["positions"] == ["batch", "tokens"] and dims["cache_lengths"] == ["batch"]
     onnx.checker.check_model(model, full_check=True)
     assert not plugin_nodes(model)
 
@@ -35,6 +37,9 @@ def test_standard_drafter_graph_uses_only_standard_ops(engine):
     model, inputs, outputs = _io(engine / "onnx" / "draft.onnx")
     assert tuple(inputs) == DRAFT_INPUTS and tuple(outputs) == DRAFT_OUTPUTS
     assert all(node.domain in ("", "ai.onnx") for node in model.graph.node)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims["key_cache"] == ["batch", 2, 4, "cache_len", 8]  # the 2-layer test drafter
+    assert dims["taps"][:2] == dims["context_positions"] == ["batch", "context"]
 
 
 def test_plugin_drafter_graph_has_one_node_per_layer_with_trt_plugin_attributes(tmp_path_factory):

@@ -1,10 +1,11 @@
-"""The ``onnxruntime`` backend: the engine's ONNX graphs on ONNX Runtime (CPU by default).
+"""The ``onnxruntime`` backend: the engine's batched ONNX graphs on ONNX Runtime (CPU by default).
 
-Each network keeps one static float32 KV cache on the host, ``[layers, 1, nkv, max_seq_len, d]``,
-allocated at setup (style R5). A call feeds the live prefix ``cache[..., :P, :]`` to the graph and
-writes back only the rows the graph returns (``builder/export_onnx.py`` describes the I/O), so
-cropping is bookkeeping, exactly as in ``model/kv_cache.py``. The loop, verification and stats
-are the shared ones in ``runtime/``.
+Each network keeps one static float32 KV cache on the host, ``[max_batch, layers, nkv, max_seq_len, d]``
+(one slot per request), allocated at setup (style R5). A forward binds the cache rows of its requests to
+the graph in place through I/O binding (a contiguous run of slots is a view of the buffer: no copy; the
+scheduler keeps active requests in slot order so a batch usually is one) and writes back only the K/V rows
+the graph returns, at each row's positions (``builder/export_onnx.py`` describes the I/O). Cropping is
+bookkeeping, as in ``model/kv_cache.py``. The loop, verification and stats are the shared ones in ``runtime/``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import BackendUnavailableError
+from dflash_trt.plugins.interface import DraftRow, TargetRow
 
 THREADS_ENV = "DFLASH_ORT_THREADS"
 """Intra-op threads of every session (unset: 1 for small models, else ONNX Runtime's default)."""
@@ -62,12 +64,14 @@ def open_session(path: Path, quant_mode: str = "none", small_model: bool = False
 
 
 class OrtBackend:
-    """Target and drafter graphs with host-side static caches (batch row 0)."""
+    """Target and drafter graphs over host-side static caches, ``max_batch`` slots (the batched protocol)."""
 
     name = "onnxruntime"
+    device = "cpu"
+    outputs_device = "cpu"
 
     def __init__(self, target_config: TargetConfig, draft_config: DraftConfig | None, target_graph: Path,
-                 draft_graph: Path | None, max_seq_len: int, quant_mode: str = "none") -> None:
+                 draft_graph: Path | None, max_seq_len: int, quant_mode: str = "none", max_batch: int = 1) -> None:
         try:
             import onnxruntime  # noqa: F401
         except ImportError as exc:
@@ -75,54 +79,138 @@ class OrtBackend:
                                           "pip install 'dflash-trt[onnx]', or pass --backend torch.") from None
         self.target_config = target_config
         self.draft_config = draft_config
-        self.tap_ids = draft_config.target_layer_ids if draft_config is not None else ()
-        small = target_config.hidden_size < SMALL_MODEL_HIDDEN
-        self._target = open_session(target_graph, quant_mode, small)
-        self._target_outputs = [o.name for o in self._target.get_outputs()]
-        self._draft = open_session(draft_graph, quant_mode, small) if draft_graph is not None else None
-        t = target_config
-        self._target_keys = np.zeros((t.num_layers, 1, t.num_kv_heads, max_seq_len, t.head_dim), np.float32)
-        self._target_values = np.zeros_like(self._target_keys)
-        self._target_length = 0
-        if draft_config is not None:
-            d = draft_config
-            self._draft_keys = np.zeros((d.num_layers, 1, d.num_kv_heads, max_seq_len, d.head_dim), np.float32)
-            self._draft_values = np.zeros_like(self._draft_keys)
-        self._draft_length = 0
+        self.dtype = torch.float32
+        self.max_batch = max_batch
         self.max_seq_len = max_seq_len
+        small = target_config.hidden_size < SMALL_MODEL_HIDDEN
+        self._target = _Network(open_session(target_graph, quant_mode, small), max_batch, target_config.num_layers,
+                                target_config.num_kv_heads, max_seq_len, target_config.head_dim)
+        self._draft = None
+        if draft_graph is not None and draft_config is not None:
+            self._draft = _Network(open_session(draft_graph, quant_mode, small), max_batch, draft_config.num_layers,
+                                   draft_config.num_kv_heads, max_seq_len, draft_config.head_dim)
 
-    def reset(self) -> None:
-        self._target_length = 0
-        self._draft_length = 0
+    def reset_slot(self, slot: int) -> None:
+        self._target.lengths[slot] = 0
+        if self._draft is not None:
+            self._draft.lengths[slot] = 0
 
-    def target(self, tokens: Tensor, start: int, with_taps: bool, last_only: bool = False) -> tuple[Tensor, Tensor | None]:
-        length = tokens.shape[1]
-        assert start <= self._target_length and start + length <= self.max_seq_len, "target cache gap or overflow"
-        feeds = {"tokens": tokens.numpy().astype(np.int64, copy=False),
-                 "past_keys": np.ascontiguousarray(self._target_keys[:, :, :, :start]),
-                 "past_values": np.ascontiguousarray(self._target_values[:, :, :, :start])}
-        outputs = dict(zip(self._target_outputs, self._target.run(None, feeds)))
-        self._target_keys[:, :, :, start:start + length] = outputs["new_keys"]
-        self._target_values[:, :, :, start:start + length] = outputs["new_values"]
-        self._target_length = start + length
-        logits = outputs["logits"][0, -1:] if last_only else outputs["logits"][0]
-        taps = torch.from_numpy(outputs["taps"][0]) if with_taps and "taps" in outputs else None
-        return torch.from_numpy(logits), taps
+    def crop_target_slot(self, slot: int, length: int) -> None:
+        self._target.lengths[slot] = min(self._target.lengths[slot], length)
 
-    def draft(self, block: Tensor, taps: Tensor, start: int) -> Tensor:
-        assert self._draft is not None, "draft() needs a drafter graph"
-        context = taps.shape[0]
-        past = start - context
-        assert past <= self._draft_length and start + block.shape[1] <= self.max_seq_len, "draft cache gap/overflow"
-        feeds = {"block": block.numpy().astype(np.int64, copy=False),
-                 "taps": np.ascontiguousarray(taps.numpy(), dtype=np.float32)[None],
-                 "past_keys": np.ascontiguousarray(self._draft_keys[:, :, :, :past]),
-                 "past_values": np.ascontiguousarray(self._draft_values[:, :, :, :past])}
-        logits, context_keys, context_values = self._draft.run(None, feeds)
-        self._draft_keys[:, :, :, past:start] = context_keys
-        self._draft_values[:, :, :, past:start] = context_values
-        self._draft_length = start  # the cache holds exactly the context rows < start
+    def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
+        """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None."""
+        pad = self.max_seq_len  # padding sits past every real position (export_onnx)
+        width = max(len(r.tokens) for r in rows)
+        tokens = np.zeros((len(rows), width), np.int64)
+        positions = np.full((len(rows), width), pad, np.int64)
+        for index, row in enumerate(rows):
+            assert row.start <= self._target.lengths[row.slot], "target cache gap"
+            assert row.start + len(row.tokens) <= self.max_seq_len, "target cache overflow"
+            tokens[index, :len(row.tokens)] = row.tokens
+            positions[index, :len(row.tokens)] = np.arange(row.start, row.start + len(row.tokens))
+        lengths = np.array([r.start for r in rows], np.int64)
+        outputs = self._target.run({"tokens": tokens, "positions": positions, "cache_lengths": lengths},
+                                   [r.slot for r in rows])
+        results = []
+        for index, row in enumerate(rows):
+            count = len(row.tokens)
+            self._target.store(row.slot, row.start, outputs["new_keys"][index, :, :, :count],
+                               outputs["new_values"][index, :, :, :count])
+            logits = outputs["logits"][index, count - 1:count] if row.last_only else outputs["logits"][index, :count]
+            taps = outputs.get("taps")
+            results.append((torch.from_numpy(logits),
+                            torch.from_numpy(taps[index, :count]) if with_taps and taps is not None else None))
+        return results
+
+    def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
+        """Shapes per row: draft logits ``[Bc_i - 1, V]``; afterwards each draft cache holds positions ``< start``."""
+        assert self._draft is not None, "draft_batch() needs a drafter graph"
+        if self._draft.prefix_io:
+            return [self._draft_one_with_op_graph(row) for row in rows]
+        pad = self.max_seq_len
+        block_width = max(len(r.block) for r in rows)
+        context_width = max(1, max(r.taps.shape[0] for r in rows))  # a graph input needs one column at least
+        features = rows[0].taps.shape[-1]
+        block = np.zeros((len(rows), block_width), np.int64)
+        block_positions = np.full((len(rows), block_width), pad, np.int64)
+        taps = np.zeros((len(rows), context_width, features), np.float32)
+        context_positions = np.full((len(rows), context_width), pad, np.int64)
+        lengths = np.zeros(len(rows), np.int64)
+        for index, row in enumerate(rows):
+            context = row.taps.shape[0]
+            past = row.start - context
+            assert past <= self._draft.lengths[row.slot], "draft cache gap"
+            assert row.start + len(row.block) <= self.max_seq_len, "draft cache overflow"
+            block[index, :len(row.block)] = row.block
+            block_positions[index, :len(row.block)] = np.arange(row.start, row.start + len(row.block))
+            if context:  # right-aligned: the context ends right before the anchor
+                taps[index, context_width - context:] = row.taps.numpy()
+                context_positions[index, context_width - context:] = np.arange(past, row.start)
+            lengths[index] = past
+        outputs = self._draft.run({"block": block, "block_positions": block_positions, "taps": taps,
+                                   "context_positions": context_positions, "cache_lengths": lengths},
+                                  [r.slot for r in rows])
+        results = []
+        for index, row in enumerate(rows):
+            context = row.taps.shape[0]
+            keep = slice(context_width - context, context_width)
+            self._draft.store(row.slot, row.start - context, outputs["context_keys"][index, :, :, keep],
+                              outputs["context_values"][index, :, :, keep])
+            results.append(torch.from_numpy(outputs["draft_logits"][index, :len(row.block) - 1]))
+        return results
+
+
+    def _draft_one_with_op_graph(self, row: DraftRow) -> Tensor:
+        """The plugin-node drafter (``draft_plugin.onnx``, prefix I/O, TensorRT's graph) run for one row: on ONNX
+        Runtime it checks the custom op's parity, it is not a fast path (the cache prefix is copied in)."""
+        context = row.taps.shape[0]
+        past = row.start - context
+        network = self._draft
+        feeds = {"block": np.array([row.block], np.int64), "taps": row.taps.numpy().astype(np.float32)[None],
+                 "past_keys": np.ascontiguousarray(network.keys[row.slot, :, :, :past][:, None]),
+                 "past_values": np.ascontiguousarray(network.values[row.slot, :, :, :past][:, None])}
+        logits, keys, values = network.session.run(None, feeds)
+        network.store(row.slot, past, keys[:, 0], values[:, 0])
         return torch.from_numpy(logits[0])
 
-    def crop_target(self, length: int) -> None:
-        self._target_length = min(self._target_length, length)
+
+class _Network:
+    """One graph, its slot caches ``[max_batch, layers, nkv, S, d]`` and their committed lengths."""
+
+    def __init__(self, session, max_batch: int, layers: int, kv_heads: int, max_len: int, head_dim: int) -> None:
+        self.session = session
+        self.output_names = [o.name for o in session.get_outputs()]
+        self.prefix_io = "past_keys" in {i.name for i in session.get_inputs()}  # the plugin-node drafter graph
+        shape = (max_batch, layers, kv_heads, max_len, head_dim)
+        self.keys = np.zeros(shape, np.float32)
+        self.values = np.zeros(shape, np.float32)
+        self.gather_keys = np.zeros(shape, np.float32)  # rows of non-contiguous slots are gathered here
+        self.gather_values = np.zeros(shape, np.float32)
+        self.lengths = [0] * max_batch
+
+    def _bound_caches(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return self.keys[first:first + len(slots)], self.values[first:first + len(slots)]  # views, no copy
+        batch = len(slots)
+        np.take(self.keys, slots, axis=0, out=self.gather_keys[:batch])
+        np.take(self.values, slots, axis=0, out=self.gather_values[:batch])
+        return self.gather_keys[:batch], self.gather_values[:batch]
+
+    def run(self, feeds: dict[str, np.ndarray], slots: list[int]) -> dict[str, np.ndarray]:
+        keys, values = self._bound_caches(slots)
+        binding = self.session.io_binding()
+        for name, array in (*feeds.items(), ("key_cache", keys), ("value_cache", values)):
+            binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        for name in self.output_names:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
+
+    def store(self, slot: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Write new rows ``[layers, nkv, n, d]`` at positions ``start ..`` of ``slot``; commit them."""
+        end = start + keys.shape[2]
+        self.keys[slot, :, :, start:end] = keys
+        self.values[slot, :, :, start:end] = values
+        self.lengths[slot] = end

@@ -28,6 +28,8 @@ class TorchBackend:
         self.tap_ids = self.draft_config.target_layer_ids if self.draft_config else ()
         self.max_batch = max_batch
         self.device = pair.target.embed_tokens.weight.device
+        self.dtype = pair.target.embed_tokens.weight.dtype
+        self.outputs_device = str(self.device)  # logits and taps stay where the model runs
         self.target_cache = pair.target.new_cache(max_batch, max_seq_len)
         self.draft_cache = pair.draft.new_cache(max_batch, max_seq_len) if pair.draft is not None else None
 
@@ -77,8 +79,8 @@ class TorchBackend:
             tokens[index, :len(row.tokens)] = torch.tensor(row.tokens)
         tokens = tokens.to(self.device)
         logits, taps = self.target_model(tokens, layout, self.target_cache, self.tap_ids if with_taps else ())
-        return [(logits[i, :len(r.tokens)], taps[i, :len(r.tokens)] if taps is not None else None)
-                for i, r in enumerate(rows)]
+        return [(logits[i, len(r.tokens) - 1:len(r.tokens)] if r.last_only else logits[i, :len(r.tokens)],
+                 taps[i, :len(r.tokens)] if taps is not None else None) for i, r in enumerate(rows)]
 
     @torch.inference_mode()
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:

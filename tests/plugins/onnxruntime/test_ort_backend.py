@@ -1,8 +1,10 @@
-"""The onnxruntime backend vs the torch backend on the same weights: logits, taps and draft logits per call,
-then whole greedy generations token for token (standard-op and plugin-node drafter graphs)."""
+"""The onnxruntime backend vs the torch backend on the same weights: logits, taps and draft logits per batched
+call (rows of several requests in any slots), then whole greedy generations token for token, alone and batched
+(standard-op and plugin-node drafter graphs)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ pytest.importorskip("onnxruntime")
 from engine_builds import built_engine  # noqa: E402
 
 from dflash_trt.config import SamplingParams  # noqa: E402
+from dflash_trt.errors import ConfigError  # noqa: E402
+from dflash_trt.plugins.interface import DraftRow, TargetRow  # noqa: E402
 from dflash_trt.plugins.onnxruntime.backend import OrtBackend  # noqa: E402
 from dflash_trt.plugins.torch_ref.backend import TorchBackend  # noqa: E402
 from dflash_trt.runtime.session import Session  # noqa: E402
@@ -32,41 +36,85 @@ def plugin_graph(engine, tmp_path_factory):
     return export_draft(pair.draft, pair.target, path, GraphLimits(1, 512, 4), plugin=True)
 
 
-def _drive(backend, prompt):
-    """Prefill, two draft/verify cycles with a partial accept; returns every tensor the loop would see."""
+PROMPTS = ([1, 403, 407, 261, 378, 14, 7], [1, 300, 301], [1, 270, 280, 290, 300, 310, 320, 330, 340], [1, 5])
+
+
+def _drive(backend, slots):
+    """Prefill, two draft/verify cycles with partial accepts, the requests of ``slots`` batched in every forward;
+    returns every tensor the loop would see."""
     seen = []
-    backend.reset()
-    logits, taps = backend.target(torch.tensor([prompt]), 0, True, last_only=True)
-    seen += [logits, taps]
-    start = len(prompt)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(slots))]
+    for slot in slots:
+        backend.reset_slot(slot)
+    outputs = backend.target_batch([TargetRow(slot, p, 0, last_only=True) for slot, p in zip(slots, prompts)], True)
+    taps = [t for _, t in outputs]
+    seen += [x for pair in outputs for x in pair]
+    starts = [len(p) for p in prompts]
     for cycle, accepted in enumerate((2, 1)):
-        draft_logits = backend.draft(torch.tensor([[5 + cycle, 0, 0, 0]]), taps, start)
-        block = torch.tensor([[5 + cycle] + draft_logits.argmax(-1).tolist()])
-        logits, taps = backend.target(block, start, True)
-        seen += [draft_logits, logits, taps]
-        start += accepted
-        backend.crop_target(start)
-        taps = taps[:accepted]
+        rows = [DraftRow(slot, [5 + cycle, 0, 0, 0], tap, start) for slot, tap, start in zip(slots, taps, starts)]
+        drafts = backend.draft_batch(rows)
+        blocks = [[5 + cycle] + d.argmax(-1).tolist() for d in drafts]
+        outputs = backend.target_batch([TargetRow(slot, block, start)
+                                        for slot, block, start in zip(slots, blocks, starts)], True)
+        seen += drafts + [x for pair in outputs for x in pair]
+        starts = [start + accepted + index % 2 for index, start in enumerate(starts)]  # rows accept differently
+        for slot, start in zip(slots, starts):
+            backend.crop_target_slot(slot, start)
+        taps = [t[:accepted + index % 2] for index, (_, t) in enumerate(outputs)]
     return seen
 
 
 @pytest.mark.parametrize("variant", ["standard", "plugin"])
-def test_backend_calls_match_torch(engine, plugin_graph, variant):
+@pytest.mark.parametrize("slots", [(0,), (0, 1, 2, 3), (1, 3)], ids=["alone", "contiguous", "gathered"])
+def test_backend_calls_match_torch(engine, plugin_graph, variant, slots):
     session = Session.load(engine, "torch")
     pair = session.pair
     graph = plugin_graph if variant == "plugin" else engine / "onnx" / "draft.onnx"
-    ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target.onnx", graph, 512)
-    prompt = [1, 403, 407, 261, 378, 14, 7]
-    for got, expected in zip(_drive(ort_backend, prompt), _drive(TorchBackend(pair, 512), prompt)):
-        assert got.shape == expected.shape
-        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target.onnx", graph, 512,
+                             max_batch=4)
+    got, expected = _drive(ort_backend, slots), _drive(TorchBackend(pair, 512, 4), slots)
+    assert len(got) == len(expected) > 0
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_contiguous_slots_are_bound_in_place_and_scattered_slots_gathered(engine):
+    pair = Session.load(engine, "torch").pair
+    backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target.onnx",
+                         engine / "onnx" / "draft.onnx", 512, max_batch=4)
+    network = backend._target
+    keys, values = network._bound_caches([1, 2, 3])
+    assert np.shares_memory(keys, network.keys) and np.shares_memory(values, network.values)
+    keys, _ = network._bound_caches([0, 2])
+    assert not np.shares_memory(keys, network.keys) and keys.shape[0] == 2
+
+
+def test_session_refuses_a_batch_wider_than_the_engine_was_built_for(tmp_path_factory):
+    narrow = built_engine(tmp_path_factory.getbasetemp(), "ort-batch2", backend="onnxruntime", max_batch_size=2)
+    with pytest.raises(ConfigError, match="max_batch is 4.*at most 2.*--max-batch-size 4"):
+        Session.load(narrow, max_batch=4)
+    assert Session.load(narrow, max_batch=2).backend.max_batch == 2
 
 
 def test_session_load_auto_picks_onnxruntime_and_matches_torch_greedy(engine):
     ort_session = Session.load(engine)
     torch_session = Session.load(engine, "torch")
-    assert type(getattr(ort_session.backend, "inner", ort_session.backend)).__name__ == "OrtBackend"
+    assert type(ort_session.backend).__name__ == "OrtBackend"
     for prompt in ["Once upon a time", "Lily and Ben were"]:
         for block_len in (None, 1):
             params = SamplingParams(max_new_tokens=60, block_len=block_len)
             assert ort_session.generate(prompt, params).token_ids == torch_session.generate(prompt, params).token_ids
+
+
+def test_batched_onnxruntime_session_equals_each_request_alone(engine):
+    """Eight concurrent requests of different lengths in a 4-slot session: each equals plain decoding alone."""
+    alone = Session.load(engine, "torch")
+    batched = Session.load(engine, max_batch=4)
+    prompts = ["Once upon a time", "Lily and Ben were", "The cat", "One day, a little girl named Sue",
+               "Tom had a red ball", "The sun was", "Max the dog liked to", "It was a cold day"]
+    params = [SamplingParams(max_new_tokens=20 + 7 * i, block_len=1 if i % 3 == 0 else None) for i in range(8)]
+    handles = [batched.submit(p, q) for p, q in zip(prompts, params)]
+    for index, (prompt, handle) in enumerate(zip(prompts, handles)):
+        plain = alone.generate(prompt, SamplingParams(max_new_tokens=20 + 7 * index, block_len=1))
+        assert handle.result().token_ids == plain.token_ids
