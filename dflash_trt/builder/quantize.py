@@ -11,6 +11,12 @@ calibration amax:
   values in 16-element blocks along the input dim, an e4m3 scale per block and an fp32 global
   scale ``amax / (6 × 448)``; two codes per byte, the even index in the low nibble.
 
+Our own addition, for running the result:
+
+- W8A8 / W4A4 products (``exact_quantized_matmul``): every FP8 value is an integer multiple of
+  2^-9 and every NVFP4 element (without its global scale) of 2^-10, so a quantised GEMM is an int64
+  matmul, exact and the same bits whatever the number of rows, then one multiply by the scales.
+
 One correction to serving.md §3.2: ModelOpt rounds the e2m1 midpoints ties-to-even, so 0.75,
 1.75 and **3.5** round up and 0.25, 1.25, **2.5** and 5 round down (``_cast_fp4`` bumps only
 the bounds 0.75, 1.75, 3.5). The frozen vectors in ``tests/builder/data`` pin this.
@@ -187,3 +193,52 @@ def fake_quantize_input(x: Tensor, mode: QuantMode, scale: Tensor) -> Tensor:
         return dequantize_fp8(cast_fp8(x.float() / scale), scale)
     flat = x.float().reshape(-1, x.shape[-1])
     return dequantize_nvfp4(*quantize_nvfp4(flat, scale)).reshape(x.shape)
+
+
+# ---------------------------------------------------------------- exact integer GEMM
+
+FP8_UNITS_PER_ONE = 2**9
+"""Every e4m3fn value is an integer multiple of its smallest subnormal 2^-9 (at most 448 × 2^9 = 229,376 units)."""
+NVFP4_UNITS_PER_ONE = 2 * FP8_UNITS_PER_ONE
+"""An e2m1 value (a multiple of 0.5) times an e4m3 block scale is a multiple of 2^-10 (at most 2,752,512 units)."""
+
+
+def fp8_units(codes: Tensor) -> Tensor:
+    """FP8 codes as exact integers ``fp8 × 2^9``. Shapes: any float8_e4m3fn -> same, int64."""
+    return (codes.float() * FP8_UNITS_PER_ONE).to(torch.int64)
+
+
+def nvfp4_units(packed: Tensor, block_scales: Tensor) -> Tensor:
+    """NVFP4 elements without the global scale as exact integers ``e2m1 × s_b × 2^10``.
+
+    Shapes: packed uint8 ``[..., n/2]``, block_scales float8_e4m3fn ``[..., n/16]`` -> int64 ``[..., n]``.
+    """
+    values = (E2M1_VALUES.to(packed.device)[unpack_e2m1(packed).long()] * 2).to(torch.int64)
+    scales = fp8_units(block_scales).repeat_interleave(NVFP4_BLOCK, dim=-1)
+    return values * scales
+
+
+def quantized_input_units(x: Tensor, mode: QuantMode, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The quantised input of :func:`fake_quantize_input` as exact integers and the value of one unit.
+
+    ``fake_quantize_input(x) == units × unit`` up to the float32 rounding of that product.
+    Shapes: x ``[..., in]``, scale ``[]`` -> (int64 ``[..., in]``, float64 ``[]``).
+    """
+    if mode == "fp8":
+        return fp8_units(cast_fp8(x.float() / scale)), scale.double() / FP8_UNITS_PER_ONE
+    flat = x.float().reshape(-1, x.shape[-1])
+    packed, block_scales, global_scale = quantize_nvfp4(flat, scale)
+    return nvfp4_units(packed, block_scales).reshape(x.shape), global_scale.double() / NVFP4_UNITS_PER_ONE
+
+
+def exact_quantized_matmul(x_units: Tensor, x_unit: Tensor, w_units: Tensor, w_unit: Tensor) -> Tensor:
+    """``x_q @ W_q^T`` of a W8A8 / W4A4 GEMM with the dot products summed exactly, rounded once to float32.
+
+    The products of FP8 or NVFP4 elements are integers in units of ``x_unit × w_unit``, and an int64
+    sum of integers does not depend on the order it is taken in: row ``i`` of the result is the same
+    bits whatever the other rows are (batch-invariant) and whatever the kernel's blocking. Exact while
+    ``in × max|x_units| × max|w_units| < 2^63``: any ``in`` below 2^27 for FP8 and 2^20 for NVFP4.
+    Shapes: x_units int64 ``[..., in]``, w_units int64 ``[out, in]``, units float64 ``[]`` -> float32 ``[..., out]``.
+    """
+    acc = x_units @ w_units.t()  # [..., out] int64, exact
+    return (acc.double() * (x_unit * w_unit)).float()

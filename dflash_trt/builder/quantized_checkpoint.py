@@ -20,17 +20,18 @@ Static activation scales come from calibration, as ModelOpt's max calibrator doe
 unquantised target runs over a batch of token ids and each linear records ``max |input|``.
 
 At run time on CPU a quantised linear is a float32 GEMM on the dequantised weight (weight-only,
-the default). With ``activations="quantized"`` its input is first quantised and dequantised with
-``input_scale``, emulating the W8A8 / W4A4 GEMM a server runs. On a GPU the same tensors feed an
-FP8 GEMM (``torch._scaled_mm``, see :class:`Fp8Linear`) or TensorRT-LLM's FP4 GEMM.
+the default, :class:`QuantizedLinear`). With ``activations="quantized"`` its input is quantised with
+``input_scale`` and the product is taken on the exact integer values of both quantised operands
+(:class:`IntegerQuantizedLinear`), emulating the W8A8 / W4A4 GEMM a server runs. On a GPU the same
+tensors feed an FP8 GEMM (``torch._scaled_mm``, see :class:`Fp8Linear`) or TensorRT-LLM's FP4 GEMM.
 
 Speculative decoding stays lossless relative to *this quantised target*: it reproduces the
-quantised target's greedy output, not the float model's. With weight-only execution that holds
-token for token as robustly as for the float model. With quantised activations it needs
-batch-invariant kernels: the 16-token verify forward and the 1-token plain forward differ in the
-last float bits (attention, GEMM blocking), and an activation that sits on an FP8/FP4 rounding
-boundary then lands on different grid points, so plain decoding of the same quantised target can
-pick a different token (docs/quantization.md measures how often).
+quantised target's greedy output, not the float model's. That needs every row of a k+1-token
+verify forward to be the same bits as a 1-token plain step. A static FP8/FP4 activation quantiser
+turns a last-bit difference at its input into a whole grid step, so the quantised GEMMs here are
+exact integer sums, which do not depend on the number of rows (batch-invariant). The float ops
+around them (attention, SiLU, the unquantised linears) are not batch-invariant in torch's CPU
+kernels; docs/quantization.md §4.1 measures what that leaves.
 """
 
 from __future__ import annotations
@@ -228,7 +229,8 @@ def dequantize_into(model: TargetModel, state: dict[str, Tensor], quant_config: 
                                        f"{source}: {prefix}")
             setattr(layer.get_submodule(parent_name), child, module)
     plain = {key.removeprefix("model."): tensor for key, tensor in remaining.items()}
-    quantized = {name for name, module in model.named_modules() if isinstance(module, (QuantizedLinear, Fp8Linear))}
+    quantized = {name for name, module in model.named_modules()
+                 if isinstance(module, (QuantizedLinear, IntegerQuantizedLinear, Fp8Linear))}
     expected = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in quantized}
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -259,33 +261,59 @@ def _quantized_module(mode: q.QuantMode, tensors: dict[str, Tensor], shape: tupl
     bias = tensors["bias"].float() if "bias" in tensors else None
     if mode == "fp8" and fp8_gemm:
         return Fp8Linear(tensors["weight"], tensors["weight_scale"], tensors["input_scale"], bias)
+    if activations == "quantized":
+        return IntegerQuantizedLinear(mode, tensors, bias)
     if mode == "fp8":
         weight = q.dequantize_fp8(tensors["weight"], tensors["weight_scale"])
     else:
         weight = q.dequantize_nvfp4(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"])
-    return QuantizedLinear(mode, weight, tensors["input_scale"], bias, activations == "quantized")
+    return QuantizedLinear(weight, bias)
 
 
 class QuantizedLinear(nn.Module):
-    """A linear restored from the export format: float GEMM on the dequantised weight.
+    """Weight-only execution of a quantised linear: a float32 GEMM on the dequantised weight.
 
-    With ``quantize_inputs`` the input is first quantised and dequantised with ``input_scale``
-    (``quantize.fake_quantize_input``), so the product equals a W8A8 / W4A4 GEMM up to fp32 rounding.
     Shapes: weight ``[out, in]`` (dequantised, float32); forward ``[..., in] -> [..., out]``.
     """
 
-    def __init__(self, mode: q.QuantMode, weight: Tensor, input_scale: Tensor, bias: Tensor | None,
-                 quantize_inputs: bool) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
-        self.mode, self.quantize_inputs = mode, quantize_inputs
         self.register_buffer("weight", weight)
-        self.register_buffer("input_scale", input_scale.float())
         self.register_buffer("bias", bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.quantize_inputs:
-            x = q.fake_quantize_input(x, self.mode, self.input_scale).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+
+class IntegerQuantizedLinear(nn.Module):
+    """W8A8 / W4A4 emulation that is batch-invariant: what a quantised GEMM computes, summed exactly.
+
+    The input is quantised with the static ``input_scale`` (per token: FP8 per element, NVFP4 in
+    dynamic 16-element blocks), and both operands become exact integers (``quantize.fp8_units`` /
+    ``nvfp4_units``), so the dot products are int64 sums that do not depend on how many rows the
+    GEMM has or in which order it adds (``quantize.exact_quantized_matmul``). A float32 GEMM on the
+    dequantised tensors rounds differently for 1 and for k+1 rows, and a static quantiser turns
+    those last-bit differences into whole grid steps (docs/quantization.md §4.1).
+    Shapes: forward ``[..., in] -> [..., out]`` float32.
+    """
+
+    def __init__(self, mode: q.QuantMode, tensors: dict[str, Tensor], bias: Tensor | None) -> None:
+        super().__init__()
+        self.mode = mode
+        if mode == "fp8":
+            units, unit = q.fp8_units(tensors["weight"]), tensors["weight_scale"].double() / q.FP8_UNITS_PER_ONE
+        else:
+            units = q.nvfp4_units(tensors["weight"], tensors["weight_scale"])
+            unit = tensors["weight_scale_2"].double() / q.NVFP4_UNITS_PER_ONE
+        self.register_buffer("weight_units", units)  # [out, in] int64
+        self.register_buffer("weight_unit", unit)  # [] float64
+        self.register_buffer("input_scale", tensors["input_scale"].float())
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x_units, x_unit = q.quantized_input_units(x, self.mode, self.input_scale)
+        out = q.exact_quantized_matmul(x_units, x_unit, self.weight_units, self.weight_unit).to(x.dtype)
+        return out if self.bias is None else out + self.bias
 
 
 class Fp8Linear(nn.Module):

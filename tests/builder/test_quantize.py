@@ -25,6 +25,7 @@ from dflash_trt.builder.load import embedded_draft_path, embedded_target_path, l
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.builder.quantized_checkpoint import (
     Fp8Linear,
+    IntegerQuantizedLinear,
     QuantizedLinear,
     dequantize_into,
     load_quantized_target,
@@ -184,10 +185,53 @@ def test_fp8_gemm_with_scaled_mm_matches_the_dequantized_gemm():
     quantized, weight_scale = q.quantize_fp8(weight)
     input_scale = q.input_scale(q.amax(x), "fp8")
     bias = torch.randn(24, generator=generator)
-    emulated = QuantizedLinear("fp8", q.dequantize_fp8(quantized, weight_scale), input_scale, bias, True)(x)
+    tensors = {"weight": quantized, "weight_scale": weight_scale, "input_scale": input_scale}
+    emulated = IntegerQuantizedLinear("fp8", tensors, bias)(x)
     served = Fp8Linear(quantized, weight_scale, input_scale, bias)(x)
     assert served.shape == (2, 5, 24)
     torch.testing.assert_close(served, emulated, rtol=1e-5, atol=1e-5)
+
+
+def _linear_tensors(mode: str, out_features: int, in_features: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * torch.logspace(-2, 1, in_features)
+    calibration = torch.randn(64, in_features, generator=generator) * 3
+    input_scale = q.input_scale(q.amax(calibration), mode)
+    if mode == "fp8":
+        quantized, weight_scale = q.quantize_fp8(weight)
+        return {"weight": quantized, "weight_scale": weight_scale, "input_scale": input_scale}
+    packed, block_scales, global_scale = q.quantize_nvfp4(weight)
+    return {"weight": packed, "weight_scale": block_scales, "weight_scale_2": global_scale, "input_scale": input_scale}
+
+
+@pytest.mark.parametrize("mode,in_features", [("fp8", 172), ("fp8", 64), ("nvfp4", 64), ("nvfp4", 256)])
+def test_quantized_activation_gemm_is_batch_invariant_and_exact(mode, in_features):
+    """Row i of a 17-row W8A8 / W4A4 GEMM is the same bits as that row alone (a verify forward of k+1 tokens
+    vs a plain step), and is the product of the quantised operands."""
+    tensors = _linear_tensors(mode, 48, in_features, seed=in_features)
+    linear = IntegerQuantizedLinear(mode, tensors, None)
+    x = torch.randn(1, 17, in_features, generator=torch.Generator().manual_seed(1)) * 3
+    batched = linear(x)  # [1, 17, 48]
+    for row in range(17):
+        assert torch.equal(linear(x[:, row:row + 1]), batched[:, row:row + 1]), row
+    if mode == "fp8":
+        weight = q.dequantize_fp8(tensors["weight"], tensors["weight_scale"])
+    else:
+        weight = q.dequantize_nvfp4(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"])
+    reference = q.fake_quantize_input(x, mode, tensors["input_scale"]).double() @ weight.double().t()
+    # the reference's operands are rounded to float32 once each: agreement to ~1e-7 of the output scale
+    torch.testing.assert_close(batched.double(), reference, rtol=0, atol=1e-6 * reference.abs().max().item())
+
+
+def test_float_gemm_on_dequantized_operands_is_not_batch_invariant():
+    """Why the exact GEMM exists: torch's float32 GEMM rounds a 1-row and a 17-row product differently."""
+    tensors = _linear_tensors("fp8", 48, 172, seed=172)
+    weight = q.dequantize_fp8(tensors["weight"], tensors["weight_scale"])
+    x = q.fake_quantize_input(torch.randn(1, 17, 172, generator=torch.Generator().manual_seed(1)) * 3, "fp8",
+                              tensors["input_scale"])
+    batched = torch.nn.functional.linear(x, weight)
+    alone = torch.cat([torch.nn.functional.linear(x[:, row:row + 1], weight) for row in range(17)], dim=1)
+    assert not torch.equal(alone, batched)
 
 
 def test_activation_fake_quantization_lands_on_representable_values():
@@ -373,10 +417,12 @@ def drafter_for(target: TargetModel) -> DraftHead:
     return head.eval()
 
 
-@pytest.mark.parametrize("mode", ["fp8", "nvfp4"])
-def test_greedy_speculative_equals_plain_decoding_on_the_quantized_target(quantized, stories, mode):
+@pytest.mark.parametrize("mode,activations", [("fp8", "float"), ("nvfp4", "float"), ("fp8", "quantized"),
+                                              ("nvfp4", "quantized")])
+def test_greedy_speculative_equals_plain_decoding_on_the_quantized_target(quantized, stories, mode, activations):
+    """Weight-only (as the CPU runs it) and W8A8 / W4A4 emulation, whose exact GEMMs are batch-invariant."""
     state, quant_config = quantized[mode]
-    target = dequantize_into(copy.deepcopy(stories), state, quant_config)  # weight-only, as the CPU runs it
+    target = dequantize_into(copy.deepcopy(stories), state, quant_config, activations)
     _, tokenizer = load_target(embedded_target_path())
     pair = ModelPair(target, drafter_for(target), tokenizer, embedded_target_path(), None)
     session = Session(pair)
