@@ -52,7 +52,8 @@ def _size(num: int) -> str:
               help="Largest block (anchor + drafts). Default: the drafter's block_size.")
 @click.option("--drafter-graph", type=click.Choice(["standard", "plugin"]), default="standard", show_default=True,
               help="Drafter graph ONNX Runtime runs: standard ONNX ops (fast) or DFlashBlockAttention plugin nodes.")
-@click.option("--force", is_flag=True, help="Replace an existing engine folder.")
+@click.option("--force", is_flag=True, help="Replace an existing engine folder (only one `dflash-trt build` wrote: "
+              "never a file, a link or a folder holding other files).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def build_command(target, draft, out, backend, quant, max_batch_size, max_seq_len, block_len, drafter_graph, force,
                   as_json) -> None:

@@ -4,8 +4,9 @@ Everything is written into a hidden staging folder beside ``out`` and renamed in
 after the manifest (with every artefact's sha256) is complete, so an interrupted build never
 leaves a folder that loads (architecture.md contract 1). An existing ``out`` is replaced only with
 ``force``, and only when it is an engine folder (``builder/staging.py``: a user's files are never
-deleted; staging folders of killed builds are cleaned up). What a backend cannot produce on this machine (TensorRT plans without a GPU, TRT-LLM
-validation without tensorrt_llm) is listed in ``manifest.pending``; the caller reports it
+deleted; staging folders of killed builds are cleaned up). What a backend cannot produce on this
+machine (TensorRT plans without a GPU, TRT-LLM validation without tensorrt_llm) is listed in
+``manifest.pending``; the caller reports it
 (``dflash-trt build`` exits 2 with a "needs an NVIDIA GPU / TensorRT x.y" line, never a crash).
 
 Layout::

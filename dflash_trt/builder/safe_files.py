@@ -1,7 +1,9 @@
-"""Safe tensor-file access: safetensors only, never a pickle.
+"""Safe tensor-file access: safetensors only, never a pickle, never a file outside the checkpoint.
 
 torch ``.bin``/``.pt`` files are pickles that can run arbitrary code when loaded; we refuse
 them by content (zip or pickle magic), not by name, and point at the safetensors conversion.
+Shards named by a ``model.safetensors.index.json`` must lie inside its folder (no absolute
+paths, ``..`` or symbolic links pointing out).
 """
 
 from __future__ import annotations
@@ -58,7 +60,14 @@ def safetensors_files(folder: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointFormatError(f"{index}: field `weight_map` is missing or empty; expected a map from "
                                         "tensor name to shard file. Fix: re-export the checkpoint.")
-        shards = sorted({folder / name for name in weight_map.values()})
+        names = set(weight_map.values())
+        outside = sorted(str(name) for name in names if not isinstance(name, str)
+                         or not (folder / name).resolve().is_relative_to(folder.resolve()))
+        if outside:
+            raise CheckpointFormatError(f"{index}: names shard(s) {outside[:3]} outside {folder}; expected shard "
+                                        "files inside the checkpoint folder. Fix: re-export the checkpoint, or copy "
+                                        "it with links dereferenced (cp -rL).")
+        shards = sorted(folder / name for name in names)
         missing = [s.name for s in shards if not s.is_file()]
         if missing:
             raise CheckpointFormatError(f"{index}: names shards {missing} that are not in {folder}. Fix: copy "
