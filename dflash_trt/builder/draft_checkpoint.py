@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from dflash_trt.builder.hf_config import parse_rope, rope_scaling_json
 from dflash_trt.builder.safe_files import read_json, read_tensors, safetensors_files
+from dflash_trt.builder.target_checkpoint import refuse_non_finite
 from dflash_trt.config import DraftConfig
 from dflash_trt.errors import CheckpointFormatError, UnsupportedArchitectureError
 from dflash_trt.model.draft_head import DraftHead, build_target_layer_ids
@@ -161,6 +162,7 @@ def load_draft_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32
             raise CheckpointFormatError(f"{folder}: tensor `{name}` has shape {tuple(tensor.shape)}; expected "
                                         f"{tuple(expected[name].shape)} from config.json. Fix: the config does "
                                         "not describe these weights; re-export the drafter.")
+    refuse_non_finite(tensors, str(folder))
     head.load_state_dict({name: t.to(torch.float32) for name, t in tensors.items()}, strict=True)
     return head.to(dtype).eval()
 

@@ -14,7 +14,8 @@ import torch
 
 from dflash_trt.builder.draft_checkpoint import load_draft_checkpoint
 from dflash_trt.builder.safe_files import is_torch_pickle, refuse_pickle
-from dflash_trt.builder.target_checkpoint import find_llama2c_model, load_hf_target, load_llama2c_target
+from dflash_trt.builder.target_checkpoint import (find_llama2c_model, load_hf_target, load_llama2c_target,
+                                                 refuse_non_finite)
 from dflash_trt.config import DraftConfig, RopeConfig, TargetConfig
 from dflash_trt.errors import CheckpointFormatError, IncompatiblePairError
 from dflash_trt.model.draft_head import DraftHead
@@ -59,6 +60,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[T
             from dflash_trt.builder.quantized_checkpoint import load_quantized_target
 
             model, tokenizer = load_quantized_target(path)
+            refuse_non_finite(model.state_dict(), str(path))  # the dequantized weights the loop runs
             return model.to(dtype), tokenizer
         return load_hf_target(path, dtype)
     model_file = find_llama2c_model(path)

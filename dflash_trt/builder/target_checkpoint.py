@@ -40,12 +40,28 @@ def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.T
                                         f"{tuple(expected[name].shape)} from config.json. Fix: re-export the model.")
 
 
+def refuse_non_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse a floating-point tensor holding NaN or inf: one such weight turns every output it touches into NaN,
+    which fails requests far from the cause (a sampled draw from NaN probabilities)."""
+    for name, tensor in state.items():
+        if not tensor.is_floating_point():  # packed integer payloads (NVFP4) are checked through their scales
+            continue
+        finite = torch.isfinite(tensor.float() if tensor.element_size() == 1 else tensor)
+        if not bool(finite.all()):
+            bad = int(finite.numel() - finite.sum())
+            raise CheckpointFormatError(f"{source}: tensor `{name}` holds {bad} non-finite value(s) (NaN or inf) "
+                                        f"of {finite.numel()}; expected finite weights. Fix: re-export the "
+                                        "checkpoint from a healthy training run (or retrain it).")
+
+
 def load_checked(model: TargetModel, state: dict[str, torch.Tensor], source: str) -> None:
-    """``load_state_dict`` after :func:`check_state_dict` (a tied ``lm_head`` is not expected in the file)."""
+    """``load_state_dict`` after :func:`check_state_dict` and :func:`refuse_non_finite` (a tied ``lm_head`` is not
+    expected in the file)."""
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     check_state_dict(expected, state, source)
+    refuse_non_finite(state, source)
     model.load_state_dict(state, strict=False)  # lm_head shares the embedding when tied
 
 

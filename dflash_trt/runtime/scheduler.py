@@ -4,18 +4,16 @@ Each step: admit queued requests into free cache slots (prefill one by one), dro
 pick every request's draft length (``policy``), run ONE draft forward for all drafting requests and
 ONE verify forward for all active requests, then hand each request its cycle. Requests differ in
 position, block length, sampling parameters and seed; each keeps its own RNG, so its output does
-not depend on what else is in the batch. A failure inside a step fails the requests of that step
-with the error and the worker keeps serving.
+not depend on what else is in the batch. A failure is isolated to its request: that request gets the
+error (``finish_reason == "error"``), the others of the batch finish normally, and the worker keeps serving.
 """
 
 from __future__ import annotations
 
-import atexit
 import bisect
 import heapq
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Callable
 
@@ -59,18 +57,27 @@ class Scheduler:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, name="dflash-scheduler", daemon=True)
                 self._worker.start()
-                # stop the worker before the interpreter tears torch down under it
-                atexit.register(_close_at_exit, weakref.ref(self))
             self._wake.notify()
 
-    def close(self, wait: float | None = None) -> None:
-        """Finish what is queued, then stop the worker (``wait`` seconds at most for it to exit)."""
+    def close(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop the worker and wait for it to exit (``timeout`` seconds at most): after the requests already
+        submitted, or, with ``cancel``, after cancelling them (they finish with ``finish_reason == "cancelled"``).
+
+        Waiting matters at interpreter exit: a worker still inside a torch call when the interpreter finalizes is
+        ended by ``pthread_exit``, whose unwinding through torch's ``noexcept`` C++ frames aborts the process
+        (``terminate called without an active exception``, exit code 134).
+        """
         with self._wake:
             self._closed = True
+            if cancel:
+                for entry in list(self.active):
+                    entry.cancelled.set()
+                for _, _, cancelled in self.queue:
+                    cancelled.set()
             self._wake.notify()
             worker = self._worker
-        if worker is not None and wait is not None and worker is not threading.current_thread():
-            worker.join(wait)
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
 
     def _serve(self) -> None:
         while True:
@@ -130,29 +137,26 @@ class Scheduler:
         batch = list(self.active)
         step_began = time.perf_counter()
         forwards = 0.0
-        try:
-            rows = [(entry, entry.state.draft_row(length)) for entry, length in zip(batch, self.draft_lengths())]
-            drafting = [(entry, row) for entry, row in rows if row is not None]
-            if drafting:
-                began = time.perf_counter()
-                outputs = self.backend.draft_batch([row for _, row in drafting])
-                forwards += time.perf_counter() - began
-                self.costs.record("draft", len(drafting), max(len(r.block) for _, r in drafting),
-                                  time.perf_counter() - began)
-                for (entry, _), draft_logits in zip(drafting, outputs):
-                    entry.state.take_drafts(draft_logits)
-            verify = [entry.state.verify_row() for entry in batch]
+        rows = self._each(zip(batch, self.draft_lengths()), lambda entry, length: entry.state.draft_row(length))
+        drafting = [(entry, row) for entry, row in rows if row is not None]
+        if drafting:
             began = time.perf_counter()
-            results = self.backend.target_batch(verify, any(e.state.uses_drafter for e in batch))
+            outputs = self._forward(self.backend.draft_batch, drafting)
             forwards += time.perf_counter() - began
-            self.costs.record("verify", len(batch), max(len(r.tokens) for r in verify), time.perf_counter() - began)
-            cycles = [entry.state.finish_verify(logits, taps) for entry, (logits, taps) in zip(batch, results)]
-        except BaseException as error:  # noqa: BLE001 - fail this step's requests, keep serving
-            for entry in batch:
-                self._release(entry)
-                entry.sink(error)
+            self.costs.record("draft", len(drafting), max(len(r.block) for _, r in drafting),
+                              time.perf_counter() - began)
+            self._each(outputs, lambda entry, draft_logits: entry.state.take_drafts(draft_logits))
+        verify = self._each(((entry, None) for entry in batch if entry in self.active),
+                            lambda entry, _: entry.state.verify_row())
+        if not verify:
             return
-        for entry, cycle in zip(batch, cycles):
+        began = time.perf_counter()
+        with_taps = any(entry.state.uses_drafter for entry, _ in verify)
+        results = self._forward(lambda rows: self.backend.target_batch(rows, with_taps), verify)
+        forwards += time.perf_counter() - began
+        self.costs.record("verify", len(verify), max(len(r.tokens) for _, r in verify), time.perf_counter() - began)
+        cycles = self._each(results, lambda entry, result: entry.state.finish_verify(*result))
+        for entry, cycle in cycles:
             # crop to start: the bonus is not in the cache; it is verified as slot 0 of the next block
             self.backend.crop_target_slot(entry.state.slot, entry.state.start)
             entry.memory.tracker.observe(cycle.drafted, cycle.accepted)
@@ -162,19 +166,38 @@ class Scheduler:
             if entry.state.finished:
                 self._release(entry)
         took = time.perf_counter() - step_began
-        self.costs.record_overhead(bool(drafting), len(batch), took - forwards)
+        self.costs.record_overhead(bool(drafting), len(verify), took - forwards)
         if self.speculation.mode == "auto":
             self.planner.step_took(took)
+
+    def _each(self, pairs, work: Callable) -> list:
+        """``(entry, work(entry, item))`` for each ``(entry, item)``; a request whose own work raises fails
+        alone (its sink gets the error, its slot is freed) and the others go on."""
+        done = []
+        for entry, item in pairs:
+            try:
+                done.append((entry, work(entry, item)))
+            except Exception as error:  # noqa: BLE001 - delivered to that request, the batch goes on
+                self._fail(entry, error)
+        return done
+
+    def _forward(self, forward: Callable, pairs: list) -> list:
+        """``forward(rows)`` for every ``(entry, row)`` at once; if the batched call raises, each row alone,
+        so only the requests whose own row fails get the error (a re-run rewrites the same cache positions)."""
+        try:
+            return list(zip([entry for entry, _ in pairs], forward([row for _, row in pairs])))
+        except Exception as error:  # noqa: BLE001 - isolated below
+            if len(pairs) == 1:
+                self._fail(pairs[0][0], error)
+                return []
+        return self._each(pairs, lambda entry, row: forward([row])[0])
+
+    def _fail(self, entry: _Active, error: BaseException) -> None:
+        self._release(entry)
+        entry.sink(error)
 
     def _release(self, entry: _Active) -> None:
         if entry in self.active:
             self.active.remove(entry)
             heapq.heappush(self.free_slots, entry.state.slot)
 
-
-def _close_at_exit(scheduler_ref: weakref.ref) -> None:
-    scheduler = scheduler_ref()
-    if scheduler is not None:
-        for entry in list(scheduler.active):
-            entry.cancelled.set()
-        scheduler.close(wait=5.0)

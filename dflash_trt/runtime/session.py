@@ -7,11 +7,11 @@ Timing (TTFT, TPOT) is measured around the loop, never inside it.
 
 from __future__ import annotations
 
-import gc
 import operator
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +33,9 @@ from dflash_trt.runtime.stats import SpecStats
 from dflash_trt.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+EXIT_TIMEOUT_S = 30.0
+"""How long closing a session left open at interpreter exit waits for its worker (one step, not a request)."""
 
 
 @dataclass(frozen=True)
@@ -101,11 +104,9 @@ class Session:
         if self.speculation.mode == "auto":
             calibrate(self.backend, self.costs, pair.draft is not None, self.default_block_len)
         self._scheduler = Scheduler(self.backend, self.speculation, self.costs)
-        # Everything alive now (weights, imports, tokenizer) lives as long as the session: move it out of the
-        # cyclic GC's reach, so a full collection does not stall a step scanning it (100+ ms pauses in a
-        # batch-64 step here; vLLM freezes after start-up for the same reason). Refcounting still frees it.
-        gc.collect()
-        gc.freeze()
+        # a session dropped without close() still stops its worker (the worker holds the scheduler, never the
+        # session); at interpreter exit the sessions still open are closed, their requests cancelled
+        self._finalizer = weakref.finalize(self, self._scheduler.close, True, EXIT_TIMEOUT_S)
 
     @classmethod
     def from_checkpoints(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
@@ -221,7 +222,11 @@ class Session:
         if stats is not None:
             handle.stats = stats
             stats.num_prompt_tokens = len(handle.prompt_ids)
-        yield from handle
+        try:
+            yield from handle
+        finally:  # the caller left early (break, or the generator closed): stop generating for nobody
+            if not handle.done():
+                handle.cancel()
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> GenerationResult:
         """Run one request to completion. Greedy output equals plain decoding token for token."""
@@ -255,9 +260,19 @@ class Session:
             if not handle.done():
                 handle.cancel()
 
-    def close(self) -> None:
-        """Stop the worker after the requests already submitted."""
-        self._scheduler.close()
+    def close(self, cancel: bool = False) -> None:
+        """Finish the requests already submitted (or cancel them), then stop the worker and wait for it.
+
+        Idempotent. ``with Session(...) as session:`` closes on leaving the block (cancelling on an exception).
+        """
+        self._scheduler.close(cancel)
+        self._finalizer.detach()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close(cancel=exc_type is not None)
 
 
 def _check_session_settings(max_seq_len: object, max_batch: object, speculation: object) -> None:

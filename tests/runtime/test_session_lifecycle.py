@@ -1,0 +1,119 @@
+"""``Session`` lifecycle (dflash_trt/runtime/session.py, runtime/scheduler.py): closing, context manager, a dropped
+session's worker, leaving ``stream()`` early, and one failing request isolated from the rest of its batch.
+
+The process-level checks run in a fresh interpreter (a subprocess), since exit codes, threads and RSS are
+properties of a whole process. All of it runs on the embedded stories260K pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dflash_trt.builder.load import load_pair
+from dflash_trt.config import SamplingParams
+from dflash_trt.runtime.session import Session
+
+PROMPTS = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were", "The sun was"]
+
+LOOP_SCRIPT = textwrap.dedent("""
+    import gc, json, sys, threading
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.runtime.session import Session
+
+    def rss_mib():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+    close = sys.argv[1] == "close"
+    rss = []
+    for index in range(20):
+        if close:
+            with Session.from_checkpoints(max_batch=2) as session:
+                session.generate("Once upon a time", SamplingParams(max_new_tokens=16))
+        else:  # dropped without close(): its worker must still end and its memory come back
+            session = Session.from_checkpoints(max_batch=2)
+            session.generate("Once upon a time", SamplingParams(max_new_tokens=16))
+            del session
+        gc.collect()
+        rss.append(rss_mib())
+    print(json.dumps({"rss": rss, "threads": threading.active_count(), "frozen": gc.get_freeze_count()}))
+""")
+
+
+def run_loop(mode: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", LOOP_SCRIPT, mode], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # 134 was `terminate called ...`
+    assert "terminate called" not in done.stderr, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["close", "drop"])
+def test_twenty_sessions_in_one_process_exit_0_with_flat_rss_and_no_leftover_thread(mode):
+    report = run_loop(mode)
+    # after the first sessions (allocator and import warm-up), RSS stays within 10 %
+    assert report["rss"][-1] <= 1.10 * report["rss"][2], report["rss"]
+    assert report["threads"] == 1, report  # only the main thread: every session's worker has ended
+    assert report["frozen"] == 0, report  # a Session no longer gc.freeze()s the whole process
+
+
+def test_with_block_closes_the_session_and_a_closed_session_refuses_requests():
+    with Session.from_checkpoints() as session:
+        assert session.generate(PROMPTS[0], SamplingParams(max_new_tokens=4)).finish_reason == "length"
+    with pytest.raises(Exception, match="closed"):
+        session.submit(PROMPTS[0], SamplingParams(max_new_tokens=4))
+    session.close()  # idempotent
+
+
+def test_leaving_stream_early_cancels_the_request():
+    session = Session.from_checkpoints(use_draft=False, max_batch=1)
+    forwards = []
+    target_batch = session.backend.target_batch
+
+    def counted(rows, with_taps):  # counts the real backend's verify forwards; the computation is unchanged
+        forwards.append(len(rows))
+        return target_batch(rows, with_taps)
+
+    session.backend.target_batch = counted
+    with session:
+        for index, _chunk in enumerate(session.stream(PROMPTS[0], SamplingParams(max_new_tokens=200))):
+            if index == 2:
+                break
+        # one slot: this request waits until the abandoned one has left it
+        after = session.generate(PROMPTS[1], SamplingParams(max_new_tokens=4))
+    assert after.finish_reason == "length" and len(after.token_ids) == 4
+    # plain decoding makes one token per forward: 200 forwards if the abandoned request had run to its end
+    assert len(forwards) < 100, len(forwards)
+
+
+def test_one_failing_request_fails_alone_and_the_rest_of_its_batch_finishes_correctly():
+    """A drafter whose weights hold NaN: a ``proposal="sampled"`` request cannot draw from its NaN proposal
+    distribution and fails; greedy requests sharing its batches are lossless whatever the drafter proposes."""
+    pair = load_pair()
+    with torch.no_grad():
+        pair.draft.norm.weight.fill_(float("nan"))  # every draft logit becomes NaN
+    expected = {}
+    with Session.from_checkpoints(use_draft=False) as plain:
+        for prompt in PROMPTS:
+            expected[prompt] = plain.generate(prompt, SamplingParams(max_new_tokens=32)).token_ids
+    with Session(pair, max_batch=8, speculation=None) as session:
+        handles = [session.submit(prompt, SamplingParams(max_new_tokens=32)) for prompt in PROMPTS[:2]]
+        bad = session.submit(PROMPTS[0], SamplingParams(max_new_tokens=32, temperature=0.8, seed=1,
+                                                        proposal="sampled"))
+        handles += [session.submit(prompt, SamplingParams(max_new_tokens=32)) for prompt in PROMPTS[2:]]
+        with pytest.raises(RuntimeError):
+            bad.result()
+        assert bad.finish_reason == "error"
+        for prompt, handle in zip(PROMPTS, handles):
+            result = handle.result()
+            assert result.finish_reason == "length" and result.token_ids == expected[prompt], prompt
+        # the session keeps serving after the failure
+        assert session.generate(PROMPTS[3], SamplingParams(max_new_tokens=8)).token_ids == expected[PROMPTS[3]][:8]
