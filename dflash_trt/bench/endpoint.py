@@ -256,10 +256,13 @@ async def _benchmark(config: EndpointBenchConfig, progress: Callable[[str, int, 
                     walls[i] += wall
             for i, label in enumerate(labels):
                 cell["endpoints"][label] = summarize_load(timings[i], walls[i], config.goals_ms)
-            base = cell["endpoints"][labels[baseline]]["output_tokens_per_s"]
+            base = cell["endpoints"][labels[baseline]]
             for i, label in enumerate(labels):
                 mine = cell["endpoints"][label]
-                mine["speedup"] = mine["output_tokens_per_s"] / base if base else 0.0
+                rate = base["output_tokens_per_s"]
+                mine["speedup"] = mine["output_tokens_per_s"] / rate if rate else 0.0
+                # the median request's latency ratio: robust to a few stalled requests on a busy machine
+                mine["speedup_e2e_p50"] = base["e2e_s"]["p50"] / mine["e2e_s"]["p50"] if mine["completed"] else 0.0
                 if temperature == 0 and i != baseline:
                     same = [a.text == b.text for a, b in zip(timings[i], timings[baseline]) if a.ok and b.ok]
                     mine["greedy_identical_to_baseline"] = f"{sum(same)}/{len(same)}"

@@ -36,11 +36,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         "TTFT, ITL (gap between streamed chunks: one verified cycle each), TPOT and E2E are p50 / p95 / p99 in ms, "
         "measured by the client. Throughput is completed output tokens over the wall time of the passes. "
-        "Speed-up is output tokens/s over the baseline's in the same cell.",
+        "Speed-up is output tokens/s over the baseline's in the same cell; E2E p50 speed-up is the baseline's median "
+        "end-to-end latency over this endpoint's (robust to a few stalled requests on a busy machine).",
         "",
         "| dataset | T | load | endpoint | done | req/s | out tok/s | TTFT | ITL | TPOT | E2E | goodput req/s | "
-        "speed-up | greedy = baseline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "speed-up | E2E p50 speed-up | greedy = baseline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in report["cells"]:
         for label, m in cell["endpoints"].items():
@@ -49,7 +50,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"| {cell['dataset']} | {cell['temperature']:g} | {cell['label']} | {label} | "
                 f"{m['completed']}/{m['requests']} | {m['request_throughput']:.2f} | {m['output_tokens_per_s']:,.0f} | "
                 f"{_triple(m['ttft_s'])} | {_triple(m['itl_s'])} | {_triple(m['tpot_s'])} | {_triple(m['e2e_s'])} | "
-                f"{goodput} | {m['speedup']:.2f}x | {m.get('greedy_identical_to_baseline', '–')} |")
+                f"{goodput} | {m['speedup']:.2f}x | {m['speedup_e2e_p50']:.2f}x | "
+                f"{m.get('greedy_identical_to_baseline', '–')} |")
     errors = [(cell["label"], label, e) for cell in report["cells"] for label, m in cell["endpoints"].items()
               for e in m["errors"]]
     if errors:
@@ -65,7 +67,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     first = report["cells"][0]
-    cells = [c for c in report["cells"] if c["dataset"] == first["dataset"] and c["temperature"] == first["temperature"]]
+    cells = [c for c in report["cells"]
+             if c["dataset"] == first["dataset"] and c["temperature"] == first["temperature"]]
     written = []
     for metric, title, name in (("e2e_s", "p50 end-to-end latency (ms)", "latency_throughput.png"),
                                 ("ttft_s", "p50 time to first token (ms)", "ttft_throughput.png")):
@@ -90,7 +93,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
 def write_report(report: dict[str, Any], out: Path, command: str) -> list[Path]:
     """report.json, report.md and, with matplotlib installed (the ``bench`` extra), the plots."""
     report["conditions"]["command"] = command
-    report["conditions"]["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    report["conditions"]["machine"] = (f"{platform.machine()}, {os.cpu_count()} cores, load average "
+                                       f"{os.getloadavg()[0]:.1f}, Python {platform.python_version()}")
     out.mkdir(parents=True, exist_ok=True)
     can_plot = find_spec("matplotlib") is not None
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

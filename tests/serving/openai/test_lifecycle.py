@@ -114,8 +114,9 @@ def test_cli_serve_over_an_engine_drains_on_sigterm_and_exits_0(stories_engine, 
     log = tmp_path / "serve.log"
     with open(log, "wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-c", "from dflash_trt.cli import entry; entry()", "serve", "--engine", str(stories_engine),
-             "--backend", "torch", "--port", str(port), "--speculation", "off", "--max-batch", "2"],
+            [sys.executable, "-c", "from dflash_trt.cli import entry; entry()", "serve", "--engine",
+             str(stories_engine), "--backend", "torch", "--port", str(port), "--speculation", "off",
+             "--max-batch", "2"],
             stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         _wait_ready(url, process)
