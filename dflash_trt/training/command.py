@@ -32,6 +32,7 @@ _EVAL_EXAMPLES = """
 Examples:
   dflash-trt eval
   dflash-trt eval --draft drafters/stories-b16 --block-len 8 --json
+  dflash-trt eval --temperature 0.7 --proposal sampled --seeds 3 --max-new-tokens 128
   dflash-trt eval --prompts ../shared/assets/eval/gsm8k/test.jsonl --limit 20 --max-new-tokens 256
   dflash-trt eval --target ./tiny-qwen3 --draft drafters/tiny --prompts prompts.txt
 """
@@ -96,8 +97,8 @@ def build_train_config(**fields: object):
 @click.option("--epochs", type=float, help="Passes over the distilled data (instead of --steps).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of data, init, batches and anchors.")
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="Peak AdamW learning rate.")
-@click.option("--batch-size", type=int, default=8, show_default=True,
-              help="Sequences per forward on each rank (the micro-batch).")
+@click.option("--batch-size", type=int, help="Sequences per forward on each rank (the micro-batch). Default: the "
+              "rank's share of --global-batch, or 8.")
 @click.option("--global-batch", type=int, help="Sequences per optimiser step over all ranks (gradient accumulation "
               "reaches it). Default: --batch-size x ranks.")
 @click.option("--max-anchors", type=int, default=32, show_default=True, help="Blocks per sequence and step.")
@@ -195,11 +196,18 @@ def train_command(target, out, prompts, block_len, layers, intermediate_size, ta
               help="Prompt file (.txt/.jsonl/.jsonl.gz/.json). Default: the 21 held-out TinyStories first sentences.")
 @click.option("--limit", type=int, help="Use only the first N prompts.")
 @click.option("--block-len", type=int, help="Block length at serve time. Default: the drafter's.")
-@click.option("--max-new-tokens", type=int, default=256, show_default=True, help="New tokens per prompt (greedy).")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True, help="New tokens per prompt.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy; above 0 sampled.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass when sampling.")
+@click.option("--proposal", type=click.Choice(["greedy", "sampled"]), default="greedy", show_default=True,
+              help="Draft proposals when sampling: argmax + one-hot rejection, or sampled + standard rejection.")
+@click.option("--seeds", type=int, default=3, show_default=True, help="Runs per prompt when sampling (request "
+              "seeds 1000 x run + prompt index).")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
-def eval_command(target, draft, prompts, limit, block_len, max_new_tokens, threads, as_json) -> None:
-    """Measure a drafter's acceptance (τ, per-position rates, histogram) with greedy decoding."""
+def eval_command(target, draft, prompts, limit, block_len, max_new_tokens, temperature, top_p, proposal, seeds,
+                 threads, as_json) -> None:
+    """Measure a drafter's acceptance (τ, per-position rates, histogram), greedy or sampled."""
     import json
 
     import torch
@@ -221,14 +229,18 @@ def eval_command(target, draft, prompts, limit, block_len, max_new_tokens, threa
         raise TrainingError(f"eval: target {pair.target_path} has no tokenizer; expected tokenizer.json (or "
                             "tok512.bin) beside it to encode the prompts. Fix: add the tokenizer file.")
     texts = read_prompts(prompts, limit)
+    if temperature < 0 or seeds < 1:
+        raise TrainingError(f"eval: --temperature {temperature} / --seeds {seeds}; expected a temperature >= 0 and "
+                            "at least one seed. Fix: pass --temperature 0.7 --seeds 3.")
     report = evaluate(pair.target, pair.draft, texts, tokenizer=pair.tokenizer, block_len=block_len,
-                      max_new_tokens=max_new_tokens)
+                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, proposal=proposal,
+                      seeds=seeds)
     if as_json:
         click.echo(json.dumps({"prompts": str(prompts), **report.to_dict()}, indent=2))
         return
     skipped = f", {report.num_skipped} too long skipped" if report.num_skipped else ""
     click.echo(f"τ = {report.tau:.3f} over all cycles, {report.mean_prompt_tau:.3f} as the mean of per-prompt τ; "
-               f"{report.num_prompts} prompts{skipped} (greedy, B={report.block_len}, "
+               f"{report.num_prompts} prompts{skipped} ({report.decoding}, B={report.block_len}, "
                f"{report.max_new_tokens} new tokens)")
     click.echo("per-position acceptance: " + " ".join(f"{rate:.2f}" for rate in report.per_position))
     click.echo("acceptance histogram:    " + " ".join(str(count) for count in report.histogram))

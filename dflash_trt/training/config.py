@@ -15,6 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
                       model_validator)
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
+DEFAULT_BATCH_SIZE = 8  # sequences per rank and step when neither batch size is given
 
 
 class DataConfig(BaseModel):
@@ -64,7 +65,9 @@ class TrainConfig(BaseModel):
     epochs: PositiveFloat | None = Field(default=None, description="Passes over the data (exclusive with `steps`).")
     seed: int = Field(default=0, description="Seed of data generation, initialisation, batches and anchors.")
     lr: PositiveFloat = Field(default=3e-3, description="Peak AdamW learning rate.")
-    batch_size: PositiveInt = Field(default=8, description="Sequences per forward on each rank (the micro-batch).")
+    batch_size: PositiveInt | None = Field(default=None, description="Sequences per forward on each rank (the "
+                                           "micro-batch); None = the rank's whole share of global_batch, or "
+                                           f"{DEFAULT_BATCH_SIZE} when global_batch is None too.")
     global_batch: PositiveInt | None = Field(default=None, description="Sequences per optimiser step over all "
                                              "ranks; gradients of global_batch / (ranks x batch_size) micro-batches "
                                              "are accumulated. None = batch_size x ranks.")
@@ -108,7 +111,9 @@ class TrainConfig(BaseModel):
 
     def resolved_global_batch(self, world_size: int) -> int:
         """Sequences per optimiser step: ``global_batch``, or ``batch_size`` on each of ``world_size`` ranks."""
-        return self.global_batch if self.global_batch is not None else self.batch_size * world_size
+        if self.global_batch is not None:
+            return self.global_batch
+        return (self.batch_size or DEFAULT_BATCH_SIZE) * world_size
 
     def total_steps(self, num_sequences: int, world_size: int = 1) -> int:
         """``steps``, or ``ceil(epochs * sequences / global batch)``; 1000 steps when neither is set."""

@@ -1,7 +1,8 @@
 """Acceptance of a drafter on a prompt set through the real serving path (``Session``; dflash.md §6).
 
-τ is measured the way users will see it: the same draft-verify loop, greedy, at a given block
-length and number of new tokens. Counters of all prompts are merged, so τ is the mean of the
+τ is measured the way users will see it: the same draft-verify loop, at a given block length and
+number of new tokens; greedy by default, or sampled at a temperature with either proposal mode
+(dflash.md §3.4; each prompt then runs ``seeds`` times, with request seed ``1000 * repeat + prompt index``). Counters of all prompts are merged, so τ is the mean of the
 per-cycle acceptance lengths over every cycle of every prompt (the bonus token included).
 Prompts that leave no room for ``max_new_tokens`` in the target's context are skipped and counted.
 """
@@ -9,7 +10,7 @@ Prompts that leave no room for ``max_new_tokens`` in the target's context are sk
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
@@ -19,6 +20,8 @@ from dflash_trt.model.target import TargetModel
 from dflash_trt.runtime.session import Session
 from dflash_trt.runtime.stats import SpecStats
 from dflash_trt.tokenizer import Tokenizer
+
+REPEAT_SEED_STRIDE = 1000  # request seed = 1000 * repeat + prompt index (as in tools/proposal_modes.py)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,10 @@ class EvalReport:
     num_output_tokens: int
     block_len: int
     max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    proposal: str = "greedy"
+    seeds: int = 1
 
     @property
     def mean_prompt_tau(self) -> float:
@@ -47,32 +54,47 @@ class EvalReport:
                 "acceptance_histogram": self.histogram,
                 "per_prompt_tau": self.per_prompt_tau, "num_prompts": self.num_prompts,
                 "num_skipped_too_long": self.num_skipped, "num_output_tokens": self.num_output_tokens,
-                "block_len": self.block_len, "max_new_tokens": self.max_new_tokens, "decoding": "greedy"}
+                "block_len": self.block_len, "max_new_tokens": self.max_new_tokens,
+                "decoding": self.decoding}
+
+    @property
+    def decoding(self) -> str:
+        """``greedy``, or e.g. ``T=0.7 top-p=1 sampled proposals x 3 seeds``."""
+        if self.temperature == 0:
+            return "greedy"
+        return f"T={self.temperature:g} top-p={self.top_p:g} {self.proposal} proposals x {self.seeds} seeds"
 
 
 def evaluate(target: TargetModel, draft: DraftHead, prompts: Sequence[str | Sequence[int]], *,
-             tokenizer: Tokenizer | None = None, block_len: int | None = None,
-             max_new_tokens: int = 256) -> EvalReport:
-    """Greedy τ, per-position acceptance and the acceptance histogram of ``draft`` on ``prompts``.
+             tokenizer: Tokenizer | None = None, block_len: int | None = None, max_new_tokens: int = 256,
+             temperature: float = 0.0, top_p: float = 1.0, proposal: Literal["greedy", "sampled"] = "greedy",
+             seeds: int = 1) -> EvalReport:
+    """τ, per-position acceptance and the acceptance histogram of ``draft`` on ``prompts``.
 
     Prompts are text (needs ``tokenizer``) or token ids; ``block_len`` defaults to the drafter's.
+    ``temperature`` 0 is greedy (one run per prompt); above 0 every prompt runs ``seeds`` times.
     """
     block_len = block_len or draft.config.block_size
     pair = ModelPair(target.eval(), draft.eval(), tokenizer, target_path=None,  # type: ignore[arg-type]
                      draft_path=None)
     session = Session(pair)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, block_len=block_len)
+    repeats = seeds if temperature > 0 else 1
     total = SpecStats()
     per_prompt: list[float] = []
     skipped = 0
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         ids = session.encode(prompt)
         if len(ids) + max_new_tokens > session.max_seq_len:
             skipped += 1
             continue
-        result = session.generate(ids, params)
-        per_prompt.append(result.stats.mean_acceptance_length)
-        total = total.merge(result.stats)
+        prompt_stats = SpecStats()
+        for repeat in range(repeats):
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                    block_len=block_len, proposal=proposal,
+                                    seed=REPEAT_SEED_STRIDE * repeat + index if temperature > 0 else None)
+            prompt_stats = prompt_stats.merge(session.generate(ids, params).stats)
+        per_prompt.append(prompt_stats.mean_acceptance_length)
+        total = total.merge(prompt_stats)
     if not per_prompt:
         raise TrainingError(f"eval: all {skipped} prompts are longer than the context ({session.max_seq_len}) minus "
                             f"max_new_tokens ({max_new_tokens}); expected at least one that fits. Fix: pass a "
@@ -80,4 +102,5 @@ def evaluate(target: TargetModel, draft: DraftHead, prompts: Sequence[str | Sequ
     return EvalReport(tau=total.mean_acceptance_length, per_position=total.per_position_acceptance,
                       histogram=total.acceptance_histogram, per_prompt_tau=per_prompt, num_prompts=len(per_prompt),
                       num_skipped=skipped, num_output_tokens=total.num_output_tokens, block_len=block_len,
-                      max_new_tokens=max_new_tokens)
+                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, proposal=proposal,
+                      seeds=repeats)
