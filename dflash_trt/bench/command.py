@@ -74,7 +74,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
 
     from dflash_trt.bench.harness import BenchConfig, load_prompt_sets, run_benchmark
     from dflash_trt.bench.peers import available_peers
-    from dflash_trt.bench.report import build_report, conditions, write_report
+    from dflash_trt.bench.report import build_report, conditions, cost_line, write_report
     from dflash_trt.runtime.policy import SpeculationConfig
     from dflash_trt.runtime.session import Session
 
@@ -115,6 +115,8 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
                    f"speed-up {cell['speedup_throughput']:.2f}x"
                    + (f", auto {cell['speedup_auto']:.2f}x" if "speedup_auto" in cell else "")
                    + ("" if same is None else f", greedy identical to AR: {'yes' if same else 'NO'}"))
+        if cost_line(cell) is not None:
+            click.echo(f"{'':>12} {cost_line(cell)}")
 
 
 def _bench_endpoints(endpoints, datasets, prompts_file, num_prompts, concurrency, request_rate, temperature,

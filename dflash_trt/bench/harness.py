@@ -23,6 +23,7 @@ from dflash_trt.bench.datasets import Prompt, PromptSet, load_dataset, load_prom
 from dflash_trt.bench.metrics import summarize
 from dflash_trt.bench.runners import Runner, SessionRunner, Timing
 from dflash_trt.config import SamplingParams
+from dflash_trt.runtime.costs import StepCosts
 from dflash_trt.runtime.session import Session
 
 AR, DFLASH, DFLASH_AUTO = "ar", "dflash", "dflash_auto"
@@ -71,6 +72,7 @@ class CellResult:
     wave_rates: dict[str, list[float]] = field(default_factory=dict)  # output tokens/s of each wave, per mode
     prompts: list[Prompt] = field(default_factory=list)
     skipped: int = 0  # prompts of the set that do not fit the context with max_new_tokens: passed over, never cut
+    costs: StepCosts | None = None  # the session's forward costs at this concurrency after the cell's waves
 
     def key(self) -> str:
         return f"{self.dataset}|T={self.temperature:g}|B={self.block_len}|c={self.concurrency}"
@@ -155,10 +157,22 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
             runners |= {name: make(block_len) for name, make in peers.items()}
         cell = CellResult(prompt_set.name, temperature, block_len, concurrency, prompts=prompts, skipped=skipped)
         run_cell(runners, requests, concurrency, cell, config.repeats)
+        cell.costs = _step_costs(session, concurrency, block_len)
         results.append(cell)
         if progress is not None:
             progress(cell.key(), done + 1, len(cells))
     return results
+
+
+def _step_costs(session: Session, concurrency: int, block_len: int) -> StepCosts | None:
+    """The session's cost estimates (median of the last forwards of each kind, ``runtime/costs.py``) at this
+    concurrency, read right after the cell, so they are this cell's forwards. None without drafting."""
+    if block_len < 2:
+        return None
+    try:
+        return session.costs.breakdown(concurrency, block_len - 1)
+    except LookupError:  # no draft forward ran (every request finished at prefill)
+        return None
 
 
 def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
@@ -173,6 +187,10 @@ def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
         "speedup_tpot": (ar["tpot_s"]["p50"] / dflash["tpot_s"]["p50"]) if dflash["tpot_s"]["p50"] else 0.0,
     }
     summary["speedup_throughput_waves"] = _wave_spread(cell, DFLASH)
+    acceptance = dflash.get("acceptance")
+    if cell.costs is not None and acceptance:
+        summary["forward_costs"] = cell.costs.to_dict()
+        summary["speedup_ideal"] = cell.costs.ideal_speedup(acceptance["mean_acceptance_length"])
     if DFLASH_AUTO in modes:
         summary["speedup_auto"] = (modes[DFLASH_AUTO]["output_tokens_per_s"]
                                    / modes[BASELINE[DFLASH_AUTO]]["output_tokens_per_s"])

@@ -95,6 +95,19 @@ def _fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
+def cost_line(cell: dict[str, Any]) -> str | None:
+    """The console's "where the time goes" line of a cell (None when it has no forward costs)."""
+    costs = cell.get("forward_costs")
+    if costs is None:
+        return None
+    k = costs["draft_len"]
+    return (f"plain step {_fmt_ms(costs['plain_step_s'])} ms (verify(1) {_fmt_ms(costs['plain_verify_s'])} + other "
+            f"{_fmt_ms(costs['plain_other_s'])}), cycle {_fmt_ms(costs['cycle_s'])} ms (verify({k + 1}) "
+            f"{_fmt_ms(costs['verify_s'])} + draft({k + 1}) {_fmt_ms(costs['draft_s'])} + other "
+            f"{_fmt_ms(costs['draft_other_s'])}): ideal {cell['speedup_ideal']:.2f}x, measured "
+            f"{cell['speedup_throughput']:.2f}x")
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     conds = report["conditions"]
     hw = conds["hardware"]
@@ -148,6 +161,26 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} "
                          f"| {name} | {waves['waves']} | {waves['min']:.2f}x | {waves['median']:.2f}x | "
                          f"{waves['max']:.2f}x |")
+    costed = [cell for cell in report["cells"] if "forward_costs" in cell]
+    if costed:
+        lines += ["", "## Where the time goes (DFlash, static block length)", "",
+                  "Forward costs the runtime measured during the cell (median of its last forwards of each kind, at "
+                  "the cell's concurrency, `Session.costs`): a plain step is a 1-token verify plus its other work "
+                  "(sampling, bookkeeping); a cycle is a draft and a verify of k+1 tokens plus its other work. "
+                  "Ideal speed-up = τ × plain step ÷ cycle, what these costs allow; the measured one also pays "
+                  "prefill, the batch shrinking at the end of each wave, and scheduling.", "",
+                  "| dataset | T | B | conc. | plain step ms (verify 1 + other) | verify(k+1) ms | draft(k+1) ms | "
+                  "other ms | cycle ms | τ | ideal speed-up | measured speed-up |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for cell in costed:
+            costs = cell["forward_costs"]
+            tau = cell["modes"][DFLASH]["acceptance"]["mean_acceptance_length"]
+            lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | "
+                         f"{cell['concurrency']} | {_fmt_ms(costs['plain_step_s'])} ({_fmt_ms(costs['plain_verify_s'])}"
+                         f" + {_fmt_ms(costs['plain_other_s'])}) | {_fmt_ms(costs['verify_s'])} | "
+                         f"{_fmt_ms(costs['draft_s'])} | {_fmt_ms(costs['draft_other_s'])} | "
+                         f"{_fmt_ms(costs['cycle_s'])} | {tau:.2f} | {cell['speedup_ideal']:.2f}x | "
+                         f"{cell['speedup_throughput']:.2f}x |")
     lines += ["", "## Acceptance (DFlash)", "", "| dataset | T | B | conc. | τ | draft acceptance | per-position "
               "acceptance (first 8) | histogram |", "|---|---|---|---|---|---|---|---|"]
     for cell in report["cells"]:

@@ -12,9 +12,47 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import deque
+from dataclasses import dataclass
 
 _WINDOW = 9
 """Measurements per point the estimate is the median of."""
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Where a step's time goes at one batch size, in seconds: the forwards and the rest of the step.
+
+    ``plain_step`` is a plain decoding step (verify of 1 token + its other work); ``cycle`` a draft-verify
+    cycle with ``draft_len`` drafts per row (draft of ``draft_len + 1`` + verify of ``draft_len + 1`` + its
+    other work). A cycle commits τ tokens per row (τ includes the bonus), a plain step one, so the speed-up
+    these costs imply is ``τ · plain_step / cycle`` (dflash.md §6): what the forwards allow, before prefill,
+    the batch shrinking at the end of a wave, and scheduling.
+    """
+
+    batch: int
+    draft_len: int
+    plain_verify: float  # target forward of 1 token per row
+    plain_other: float  # the rest of a plain step: sampling, bookkeeping, handing tokens over
+    verify: float  # target forward of draft_len + 1 tokens per row
+    draft: float  # draft forward of a draft_len + 1 block per row
+    draft_other: float  # the rest of a drafting step
+
+    @property
+    def plain_step(self) -> float:
+        return self.plain_verify + self.plain_other
+
+    @property
+    def cycle(self) -> float:
+        return self.verify + self.draft + self.draft_other
+
+    def ideal_speedup(self, tau: float) -> float:
+        """``τ · plain_step / cycle``: tokens per second of drafting over plain decoding at these costs."""
+        return tau * self.plain_step / self.cycle
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"batch": self.batch, "draft_len": self.draft_len, "plain_verify_s": self.plain_verify,
+                "plain_other_s": self.plain_other, "plain_step_s": self.plain_step, "verify_s": self.verify,
+                "draft_s": self.draft, "draft_other_s": self.draft_other, "cycle_s": self.cycle}
 
 
 class CostModel:
@@ -59,6 +97,13 @@ class CostModel:
             return self.verify(batch, 1) + self.overhead(False, batch)
         return (self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1 + context)
                 + self.overhead(True, batch))
+
+    def breakdown(self, batch: int, draft_len: int) -> StepCosts:
+        """The current estimates of a plain step and of a ``draft_len`` cycle at ``batch`` rows (every row
+        drafting), for reports; raises ``LookupError`` until verify and draft forwards were measured."""
+        return StepCosts(batch, draft_len, self.verify(batch, 1), self.overhead(False, batch),
+                         self.verify(batch, draft_len + 1), self.draft(batch, draft_len + 1),
+                         self.overhead(True, batch))
 
     def record(self, kind: str, batch: int, width: int, seconds: float, anchor: bool = False) -> None:
         """One measured forward. ``anchor``: a calibration grid point, one the monotone envelope checks."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dflash_trt.bench.harness import AR, AR_AUTO, DFLASH, DFLASH_AUTO, BenchConfig, CellResult, cell_summary, \
     run_benchmark, run_cell
-from dflash_trt.bench.report import build_report, conditions, render_markdown, write_report
+from dflash_trt.bench.report import build_report, conditions, cost_line, render_markdown, write_report
 from dflash_trt.bench.runners import Timing
 from dflash_trt.config import SamplingParams
 from dflash_trt.runtime.policy import SpeculationConfig
@@ -56,11 +56,18 @@ def test_embedded_pair_bench_is_lossless_and_reports_the_per_wave_spread(tmp_pat
         assert summary["speedup_auto"] == modes[DFLASH_AUTO]["output_tokens_per_s"] / modes[AR_AUTO]["output_tokens_per_s"]
         spread = summary["speedup_throughput_waves"]
         assert spread["min"] <= spread["median"] <= spread["max"]
+        costs = summary["forward_costs"]  # where the time goes: this cell's forwards, at its concurrency
+        assert costs["batch"] == cell.concurrency and costs["draft_len"] == cell.block_len - 1
+        assert all(costs[key] > 0 for key in ("plain_verify_s", "verify_s", "draft_s", "plain_other_s"))
+        tau = modes[DFLASH]["acceptance"]["mean_acceptance_length"]
+        assert summary["speedup_ideal"] == tau * costs["plain_step_s"] / costs["cycle_s"]
         assert all(len(t.token_ids) == 12 or t.token_ids[-1] in session.pair.target.config.eos_token_ids
                    for t in cell.timings[AR])
     report = build_report(cells, config, conditions(session, config, [], [], "dflash-trt bench (test)"))
     markdown = render_markdown(report)
     assert "## Speed-up per wave (the noise)" in markdown
+    assert "## Where the time goes" in markdown and f"{report['cells'][0]['speedup_ideal']:.2f}x" in markdown
+    assert cost_line(report["cells"][0]).endswith(f"measured {report['cells'][0]['speedup_throughput']:.2f}x")
     assert "2 pass(es)" in markdown
     written = write_report(report, tmp_path)
     assert {p.name for p in written} >= {"report.json", "report.md"}

@@ -65,3 +65,16 @@ def test_a_step_is_verify_plus_draft_plus_overhead():
 def test_lookups_before_calibration_say_so():
     with pytest.raises(LookupError, match="calibrate first"):
         CostModel().verify(1, 1)
+
+
+def test_breakdown_splits_a_plain_step_and_a_cycle_and_prices_the_speedup_they_imply():
+    costs = grid()
+    costs.record_overhead(False, 4, 2e-4)
+    costs.record_overhead(True, 4, 3e-4)
+    step = costs.breakdown(4, 15)
+    assert step.plain_step == pytest.approx(costs.verify(4, 1) + 2e-4)
+    assert step.cycle == pytest.approx(costs.verify(4, 16) + costs.draft(4, 16) + 3e-4)
+    assert step.ideal_speedup(5.0) == pytest.approx(5.0 * step.plain_step / step.cycle)
+    assert step.to_dict()["cycle_s"] == step.cycle
+    with pytest.raises(LookupError):
+        CostModel().breakdown(1, 15)
