@@ -84,6 +84,12 @@ def create_app(session: Session, model: ServedModel, template: ChatTemplate, api
         return JSONResponse(RequestRefused(str(exc.detail), status=exc.status_code, kind=kind).body(),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(Exception)
+    async def failed(_: Request, exc: Exception) -> JSONResponse:
+        message = f"internal error ({type(exc).__name__}: {exc}); this is a bug of the server, not of the request"
+        return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": None}},
+                            status_code=500)
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model.id, "speculation": model.speculation, "running": dispatcher.running,

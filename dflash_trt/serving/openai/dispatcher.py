@@ -62,7 +62,9 @@ class Dispatcher:
     def __init__(self, session: Session, metrics: ServerMetrics, max_batch: int, max_queue: int) -> None:
         self.session, self.metrics = session, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
-        self._pool = ThreadPoolExecutor(max_workers=max_batch + max_queue, thread_name_prefix="dflash-request")
+        # one reader per admitted request, plus room for readers of released requests still waiting for their
+        # cancellation to arrive (at most one scheduler step)
+        self._pool = ThreadPoolExecutor(max_workers=2 * (max_batch + max_queue), thread_name_prefix="dflash-request")
         self.admitted = self.running = self.peak_running = 0
 
     @property
@@ -110,12 +112,14 @@ class Dispatcher:
         stop = StopStrings(stops)
         gaps: list[float] = []
         previous: float | None = None
+        failed: BaseException | None = None
         try:
             while True:
                 chunk = await arrived.get()
                 if chunk is None:  # the handle ended without a final chunk
                     return
                 if isinstance(chunk, BaseException):
+                    failed = chunk
                     raise chunk
                 if previous is not None:
                     gaps.append(chunk.arrived_at - previous)
@@ -133,8 +137,8 @@ class Dispatcher:
                 if text:
                     yield Piece(text)
         finally:
-            if ticket.started and not ticket.ended:
-                self.metrics.observe_finished("abort", handle.stats, gaps)
+            if not ticket.ended:  # the session failed, or the client went away (before or after its first token)
+                self.metrics.observe_finished("error" if failed is not None else "abort", handle.stats, gaps)
             ticket.release()
 
     def close(self) -> None:

@@ -149,3 +149,17 @@ def test_cli_serve_over_an_engine_drains_on_sigterm_and_exits_0(stories_engine, 
             process.kill()
             process.wait(10)
     assert "stopped" in log.read_text()
+
+
+def test_a_non_streaming_client_that_gives_up_frees_its_slot(small_server):
+    aborted = small_server.metric("dflash_request_success_total", finished_reason="abort")
+    generated = small_server.metric("dflash_generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and closes the connection
+        httpx.post(small_server.v1 + "/completions", json=_long(stream=False), timeout=httpx.Timeout(30, read=0.2),
+                   headers={"Authorization": f"Bearer {KEY}"})
+    deadline = time.monotonic() + 30
+    while small_server.metric("dflash_request_success_total", finished_reason="abort") == aborted:
+        assert time.monotonic() < deadline, "the server did not notice the client went away"
+        time.sleep(0.05)
+    assert small_server.metric("dflash_generation_tokens_total") - generated < LONG
+    assert httpx.get(small_server.url + "/health", timeout=10).json()["running"] == 0
