@@ -29,24 +29,36 @@ Profile = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 
 
 def graph_profiles(pair, limits: GraphLimits) -> dict[str, Profile]:
-    """Optimisation profiles of target.onnx and the drafter graphs (names as in ``export_onnx``)."""
+    """Optimisation profiles of ``target.onnx``, ``draft.onnx`` and ``draft_plugin.onnx`` (names and layouts as in
+    ``export_onnx``). Batched graphs read whole slot caches ``[B, layers, nkv, S, d]``: S is the session's
+    ``max_seq_len``, at most the build's; the plugin graph reads a prefix ``[layers, B, nkv, P, d]``."""
     t = pair.target.config
     batch, seq, block = limits.max_batch_size, limits.max_seq_len, limits.block_len
-    opt_past = seq // 2
 
-    def cache(layers: int, heads: int, dim: int) -> tuple:
-        return ((layers, 1, heads, 0, dim), (layers, 1, heads, opt_past, dim), (layers, batch, heads, seq - 1, dim))
+    def rows(opt: int, high: int) -> tuple:  # [B, n] inputs
+        return ((1, 1), (1, opt), (batch, high))
 
-    target_cache = cache(t.num_layers, t.num_kv_heads, t.head_dim)
-    profiles: dict[str, Profile] = {"target": {"tokens": ((1, 1), (1, max(block, 1)), (batch, seq)),
-                                               "past_keys": target_cache, "past_values": target_cache}}
+    def slot_cache(layers: int, heads: int, dim: int) -> tuple:
+        return ((1, layers, heads, 1, dim), (1, layers, heads, seq, dim), (batch, layers, heads, seq, dim))
+
+    lengths = ((1,), (1,), (batch,))
+    target_cache = slot_cache(t.num_layers, t.num_kv_heads, t.head_dim)
+    tokens = rows(max(block, 1), seq)
+    profiles: dict[str, Profile] = {"target": {"tokens": tokens, "positions": tokens, "cache_lengths": lengths,
+                                               "key_cache": target_cache, "value_cache": target_cache}}
     if pair.draft is not None:
         d = pair.draft.config
-        draft_cache = cache(d.num_layers, d.num_kv_heads, d.head_dim)
         width = d.num_taps * d.hidden_size
-        profiles["draft"] = {"block": ((1, 2), (1, block), (batch, block)),
+        blocks = ((1, 2), (1, block), (batch, block))
+        draft_cache = slot_cache(d.num_layers, d.num_kv_heads, d.head_dim)
+        profiles["draft"] = {"block": blocks, "block_positions": blocks,
                              "taps": ((1, 1, width), (1, block, width), (batch, seq, width)),
-                             "past_keys": draft_cache, "past_values": draft_cache}
+                             "context_positions": rows(block, seq), "cache_lengths": lengths,
+                             "key_cache": draft_cache, "value_cache": draft_cache}
+        n, heads, dim = d.num_layers, d.num_kv_heads, d.head_dim
+        past = ((n, 1, heads, 0, dim), (n, 1, heads, seq // 2, dim), (n, batch, heads, seq - 1, dim))
+        profiles["draft_plugin"] = {"block": blocks, "taps": ((1, 1, width), (1, block, width), (batch, seq, width)),
+                                    "past_keys": past, "past_values": past}
     return profiles
 
 
@@ -96,6 +108,8 @@ def rtx_check(onnx_dir: Path, pair, limits: GraphLimits) -> dict[str, str]:
     profiles = graph_profiles(pair, limits)
     for name, profile in profiles.items():
         path = onnx_dir / f"{name}.onnx"
+        if name == "draft_plugin":  # TensorRT-RTX aborts the process on plugin nodes without a GPU: never parsed
+            continue
         began = time.perf_counter()
         try:
             plan = build_serialized(tensorrt_rtx, path, profile)
@@ -127,10 +141,11 @@ def _gpu_build(work: Path, pair, limits: GraphLimits, gpu) -> tuple[Any, dict[st
     profiles = graph_profiles(pair, limits)
     (out / "target.plan").write_bytes(build_serialized(trt, work / "onnx" / "target.onnx", profiles["target"]))
     if pair.draft is not None:
-        graph = "draft_plugin.onnx" if library is not None else "draft.onnx"
+        graph = "draft_plugin" if library is not None else "draft"
         libraries = (library,) if library is not None else ()
-        (out / "draft.plan").write_bytes(build_serialized(trt, work / "onnx" / graph, profiles["draft"], libraries))
-        checks["draft_plan_graph"] = graph
+        (out / "draft.plan").write_bytes(build_serialized(trt, work / "onnx" / f"{graph}.onnx", profiles[graph],
+                                                          libraries))
+        checks["draft_plan_graph"] = f"{graph}.onnx"
     stamp = TensorRTStamp(
         version=trt.__version__, compute_capability=gpu.compute_capability, gpu_name=gpu.name,
         cuda_version=gpu.cuda_version, strongly_typed=True,

@@ -25,15 +25,19 @@ def test_strongly_typed_flag_is_explicit_on_tensorrt_10_and_implicit_on_11_and_r
     assert network_flags(_fake_trt("1.7.1", "tensorrt_rtx")) == 0
 
 
-def test_profiles_cover_empty_caches_up_to_the_build_limits(tmp_path_factory):
+def test_profiles_cover_one_row_up_to_the_build_limits(tmp_path_factory):
     from dflash_trt.runtime.session import Session
 
     pair = Session.load(built_engine(tmp_path_factory.getbasetemp(), "torch-only", backend="torch"), "torch").pair
     profiles = graph_profiles(pair, GraphLimits(max_batch_size=2, max_seq_len=128, block_len=4))
-    low, _, high = profiles["target"]["past_keys"]
-    assert low == (5, 1, 4, 0, 8) and high == (5, 2, 4, 127, 8)
+    assert set(profiles["target"]) == {"tokens", "positions", "cache_lengths", "key_cache", "value_cache"}
+    low, _, high = profiles["target"]["key_cache"]
+    assert low == (1, 5, 4, 1, 8) and high == (2, 5, 4, 128, 8)  # slot caches [B, layers, nkv, S, d]
+    assert profiles["target"]["tokens"] == ((1, 1), (1, 4), (2, 128))
     assert profiles["draft"]["block"] == ((1, 2), (1, 4), (2, 4))
     assert profiles["draft"]["taps"][2] == (2, 128, 128)
+    low, _, high = profiles["draft_plugin"]["past_keys"]  # prefix [layers, B, nkv, P, d], P may be 0
+    assert low == (2, 1, 4, 0, 8) and high == (2, 2, 4, 127, 8)
 
 
 @pytest.mark.skipif(find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx not installed")

@@ -121,8 +121,7 @@ def check_plugin(csrc: Path = build_plugin.CSRC, headers: Path = DEFAULT_HEADERS
     sets = header_sets(headers)
     toolkit = toolkit or ensure_toolkit()
     work.mkdir(parents=True, exist_ok=True)
-    kernel = work / "block_attention_kernel.o"
-    build_plugin.compile_kernel_object(csrc / build_plugin.KERNEL_SOURCE, kernel, toolkit, architectures)
+    kernel = work / "block_attention_kernel.o"  # compiled once, after the first plugin compile succeeds
     results = []
     for version, include in sets:
         out = work / version
@@ -131,6 +130,8 @@ def check_plugin(csrc: Path = build_plugin.CSRC, headers: Path = DEFAULT_HEADERS
         host_object, host_binary = out / "host_check.o", out / "host_check"
         try:
             build_plugin.compile_plugin_object(csrc / build_plugin.PLUGIN_SOURCE, plugin, include, toolkit)
+            if not results:
+                build_plugin.compile_kernel_object(csrc / build_plugin.KERNEL_SOURCE, kernel, toolkit, architectures)
             build_plugin.link_library([plugin, kernel], library, toolkit)
             build_plugin.compile_plugin_object(csrc / HOST_CHECK_SOURCE, host_object, include, toolkit)
             build_plugin.run_step([os.environ.get("CXX", "g++"), str(host_object), "-ldl", "-o", str(host_binary)],
