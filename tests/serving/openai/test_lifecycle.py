@@ -29,9 +29,9 @@ def small_server():
         yield running
 
 
-def _long(stream: bool = True) -> dict:
-    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+def _long(stream: bool = True, max_tokens: int = LONG) -> dict:
+    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
 
 
 def test_api_key_is_required_on_v1_routes_only(small_server):
@@ -50,7 +50,7 @@ def test_api_key_is_required_on_v1_routes_only(small_server):
 
 def test_beyond_max_queue_requests_get_429_with_retry_after(small_server):
     async def one(client: httpx.AsyncClient) -> tuple[int, str | None, int]:
-        response = await client.post("/completions", json=_long(stream=False))
+        response = await client.post("/completions", json=_long(stream=False, max_tokens=160))
         tokens = response.json()["usage"]["completion_tokens"] if response.status_code == 200 else 0
         return response.status_code, response.headers.get("retry-after"), tokens
 
@@ -65,7 +65,7 @@ def test_beyond_max_queue_requests_get_429_with_retry_after(small_server):
     assert len(served_ok) + len(refused) == 6, results
     assert 1 <= len(served_ok) <= 2 and len(refused) >= 4, results  # max_batch 1 + max_queue 1
     assert all(retry == "1" for _, retry, _ in refused)
-    assert all(tokens == LONG for _, _, tokens in served_ok)
+    assert all(tokens == 160 for _, _, tokens in served_ok)
 
 
 def test_a_client_that_disconnects_frees_its_slot(small_server):
@@ -108,7 +108,7 @@ def test_cli_serve_over_an_engine_drains_on_sigterm_and_exits_0(stories_engine, 
     from dflash_trt.runtime.session import Session
 
     expected = Session.load(stories_engine, "torch").generate("Once upon a time",
-                                                               SamplingParams(max_new_tokens=300, stop_token_ids=()))
+                                                               SamplingParams(max_new_tokens=160, stop_token_ids=()))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
@@ -124,7 +124,7 @@ def test_cli_serve_over_an_engine_drains_on_sigterm_and_exits_0(stories_engine, 
         assert model["id"] == stories_engine.name and model["dflash"]["engine"] == str(stories_engine)
         text = []
         with httpx.Client(base_url=url + "/v1", timeout=60) as client:
-            body = {"model": model["id"], "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
+            body = {"model": model["id"], "prompt": "Once upon a time", "max_tokens": 160, "temperature": 0,
                     "ignore_eos": True, "stream": True}
             with client.stream("POST", "/completions", json=body) as response:
                 lines = response.iter_lines()
