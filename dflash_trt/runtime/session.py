@@ -7,6 +7,7 @@ Timing (TTFT, TPOT) is measured around the loop, never inside it.
 
 from __future__ import annotations
 
+import gc
 import operator
 import queue
 import threading
@@ -295,6 +296,16 @@ def _token_id(token: object, position: int) -> int:
             pass
     raise RequestError(f"prompt token {position} is {token!r} ({type(token).__name__}); expected an integer token "
                        "id. Fix: pass a flat list of ints (token ids are never rounded).")
+
+
+def freeze_loaded_objects() -> None:
+    """Move every object alive now (weights, modules, imports) out of the cyclic GC's reach, for a process that
+    serves one session until it exits (the Triton model, a server): a full collection then no longer scans them
+    mid-step. With the embedded pair loaded a full collection took ~330 ms here (2 busy cores; ~195k tracked
+    objects) and ~0 ms once frozen. Process-wide (``gc.freeze``), so opt-in: never call it in a process that
+    creates and drops sessions, whose frozen reference cycles would then never be collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def _check_device(device: str, backend: str) -> None:

@@ -7,7 +7,9 @@ Counter names follow serving.md §8 (the vLLM ``spec_decode`` names under a ``df
 
 * ``SpecMetrics``: running totals for one process, rendered as Prometheus text (``render``).
 * ``TritonSpecMetrics``: the same counters through Triton's custom-metrics API (``pb_utils.MetricFamily``), so
-  they appear on the server's ``/metrics`` endpoint next to the ``nv_inference_*`` families.
+  they appear on the server's ``/metrics`` endpoint next to the ``nv_inference_*`` families, plus
+  ``dflash_request_failure_total{reason}``: Triton's own ``nv_inference_request_failure`` stays 0 for a request the
+  model answers with an error (the 2.51 python backend reports every request that got a response as a success).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from dflash_trt.errors import RequestError
 from dflash_trt.runtime.stats import SpecStats
 
 COUNTERS = (
@@ -31,6 +34,16 @@ PER_POSITION = (
     ("dflash_spec_decode_num_drafted_tokens_per_pos_total", "drafted_per_position",
      "Draft tokens proposed at each draft position (0-based); the per-position denominator."),
 )
+
+FAILURES = ("dflash_request_failure_total",
+            "Requests the model answered with an error, by reason: `invalid_request` (refused by validation, HTTP "
+            "400) or `error` (failed while generating).")
+FAILURE_REASONS = ("invalid_request", "error")
+
+
+def failure_reason(error: BaseException) -> str:
+    """The ``reason`` label of a failed request."""
+    return "invalid_request" if isinstance(error, RequestError) else "error"
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,10 @@ class TritonSpecMetrics:
                                                           kind=pb_utils.MetricFamily.COUNTER)
         for name, _, _ in COUNTERS:
             self._metrics[(name, None)] = self._families[name].Metric(labels=self.labels)
+        name, text = FAILURES
+        self._families[name] = pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
+        for reason in FAILURE_REASONS:  # both exported from the start, so a scrape sees 0 before any failure
+            self._metrics[(name, reason)] = self._families[name].Metric(labels={**self.labels, "reason": reason})
 
     @property
     def enabled(self) -> bool:
@@ -129,6 +146,11 @@ class TritonSpecMetrics:
                                                                              "position": str(position)})
                 if value:
                     self._metrics[key].increment(float(value))
+
+    def failed(self, error: BaseException) -> None:
+        """Count one request answered with ``error``."""
+        if self.enabled:
+            self._metrics[(FAILURES[0], failure_reason(error))].increment(1.0)
 
     def close(self) -> None:
         """Drop metrics before their families (Triton refuses the reverse order)."""

@@ -37,15 +37,24 @@ class TensorSpec:
 
 INPUTS = (
     TensorSpec("text_input", "TYPE_STRING", (1,)),
-    TensorSpec("max_tokens", "TYPE_INT32", (1,)),
+    TensorSpec("max_tokens", "TYPE_INT64", (1,)),
     TensorSpec("temperature", "TYPE_FP32", (1,), optional=True),
     TensorSpec("top_p", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("top_k", "TYPE_INT32", (1,), optional=True),
-    TensorSpec("seed", "TYPE_UINT64", (1,), optional=True),
+    TensorSpec("top_k", "TYPE_INT64", (1,), optional=True),
+    TensorSpec("seed", "TYPE_INT64", (1,), optional=True),
     TensorSpec("stop_words", "TYPE_STRING", (-1,), optional=True),
-    TensorSpec("block_len", "TYPE_INT32", (1,), optional=True),
+    TensorSpec("block_len", "TYPE_INT64", (1,), optional=True),
     TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),
 )
+
+# Integer inputs are INT64 so that the model sees what a client sent: Triton's generate endpoint converts a JSON
+# integer to the declared type by truncation (4294967304 arrived as 8 in an INT32 input), and it answers a
+# negative JSON number for an unsigned input with HTTP 500 before the model runs. The model checks the range.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+INTEGER_RANGES = {"max_tokens": (1, INT32_MAX), "top_k": (0, INT32_MAX), "seed": (0, INT64_MAX),
+                  "block_len": (1, INT32_MAX)}
+"""Accepted values of each integer input (``SamplingParams`` then applies its own, tighter, rules)."""
 
 OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", (-1,)),
@@ -111,15 +120,21 @@ class ModelSettings:
 
 
 def open_session(settings: ModelSettings) -> Session:
-    """The Session a model instance serves: its engine folder (or checkpoints), batch size and policy."""
+    """The Session a model instance serves: its engine folder (or checkpoints), batch size and policy. The stub
+    process serves it until it exits, so what is loaded is then frozen out of the cyclic GC's reach
+    (:func:`~dflash_trt.runtime.session.freeze_loaded_objects`: no full-collection stall mid-step)."""
     from dflash_trt.runtime.policy import SpeculationConfig
-    from dflash_trt.runtime.session import Session
+    from dflash_trt.runtime.session import Session, freeze_loaded_objects
 
     policy = SpeculationConfig(mode=settings.speculation)
     if settings.engine_dir:
-        return Session.load(settings.engine_dir, settings.backend, max_batch=settings.max_batch, speculation=policy)
-    return Session.from_checkpoints(settings.target, settings.draft, max_batch=settings.max_batch,
-                                    speculation=policy)
+        session = Session.load(settings.engine_dir, settings.backend, max_batch=settings.max_batch,
+                               speculation=policy)
+    else:
+        session = Session.from_checkpoints(settings.target, settings.draft, max_batch=settings.max_batch,
+                                           speculation=policy)
+    freeze_loaded_objects()
+    return session
 
 
 @dataclass(frozen=True)
@@ -142,12 +157,15 @@ class RequestParser:
         prompt = _scalar(read, "text_input", required=True)
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("input `text_input` is empty; expected a non-empty prompt. Fix: send some text.")
-        fields = {"max_new_tokens": _scalar(read, "max_tokens", required=True)}
-        for name, field in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                            ("seed", "seed"), ("block_len", "block_len")):
+        fields = {"max_new_tokens": _integer(read, "max_tokens", required=True)}
+        for name in ("temperature", "top_p"):
             value = _scalar(read, name)
             if value is not None:
-                fields[field] = value
+                fields[name] = value
+        for name in ("top_k", "seed", "block_len"):
+            value = _integer(read, name)
+            if value is not None:
+                fields[name] = value
         stop_words = _strings(read("stop_words"), "stop_words")
         if stop_words:
             eos = self.session.pair.target.config.eos_token_ids
@@ -196,6 +214,18 @@ def _scalar(read: Reader, name: str, required: bool = False) -> object:
     return array.reshape(-1)[0].item()
 
 
+def _integer(read: Reader, name: str, required: bool = False) -> int | None:
+    """An integer input, refused (not wrapped or clipped) outside :data:`INTEGER_RANGES`."""
+    value = _scalar(read, name, required)
+    if value is None:
+        return None
+    low, high = INTEGER_RANGES[name]
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise RequestError(f"input `{name}` is {value!r}; expected an integer in [{low}, {high}]. Fix: send `{name}` "
+                           "as a JSON integer in that range.")
+    return value
+
+
 def _outputs(text: str, token_ids: list[int], finish_reason: str, stats: SpecStats, batched: bool) -> dict:
     arrays = {
         "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
@@ -236,9 +266,15 @@ def response(pb_utils: Any, outputs: dict[str, np.ndarray]) -> Any:
 
 
 def error_response(pb_utils: Any, exc: BaseException | str) -> Any:
-    """A response carrying ``exc``: our own errors verbatim (they carry the fix), anything else with its class."""
-    known = isinstance(exc, (str, RequestError))
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc) if known else f"{type(exc).__name__}: {exc}"))
+    """A response carrying ``exc``: a bad request verbatim (it carries the fix) with code INVALID_ARG (HTTP 400),
+    a cancellation as CANCELLED, anything else with its class and code INTERNAL (HTTP 500)."""
+    if isinstance(exc, RequestError):
+        message, code = str(exc), pb_utils.TritonError.INVALID_ARG
+    elif isinstance(exc, str):
+        message, code = exc, (pb_utils.TritonError.CANCELLED if exc == "cancelled" else pb_utils.TritonError.INTERNAL)
+    else:
+        message, code = f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
 def interleave(handles: Iterable[Iterable[StreamChunk]]) -> Iterator[tuple[int, StreamChunk | Exception]]:

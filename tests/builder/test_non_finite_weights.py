@@ -1,5 +1,6 @@
 """Non-finite weights are refused at load, naming the tensor (builder/target_checkpoint.py ``refuse_non_finite``),
-on every loader path: a llama2.c target, a Hugging Face target, a z-lab drafter, and an engine folder's drafter.
+on the loader paths: a llama2.c target, a Hugging Face target and a z-lab drafter (an engine folder reads its
+weights through the same two functions; a quantized target is checked after dequantization, in builder/load.py).
 """
 
 from __future__ import annotations

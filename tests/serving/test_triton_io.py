@@ -30,10 +30,10 @@ def parser(reference_session):
 
 
 def test_every_input_maps_to_its_sampling_field(parser):
-    job = parser.parse(reader(text_input="Once upon a time", max_tokens=np.array([[9]], np.int32),
+    job = parser.parse(reader(text_input="Once upon a time", max_tokens=np.array([[9]], np.int64),
                               temperature=np.array([[0.5]], np.float32), top_p=np.array([[0.75]], np.float32),
-                              top_k=np.array([[20]], np.int32), seed=np.array([[3]], np.uint64),
-                              block_len=np.array([[2]], np.int32), stream=np.array([[True]])))
+                              top_k=np.array([[20]], np.int64), seed=np.array([[3]], np.int64),
+                              block_len=np.array([[2]], np.int64), stream=np.array([[True]])))
     assert job.prompt == "Once upon a time" and job.stream is True
     assert job.params == SamplingParams(max_new_tokens=9, temperature=0.5, top_p=0.75, top_k=20, seed=3, block_len=2)
 
@@ -49,7 +49,11 @@ def test_optional_inputs_fall_back_to_sampling_defaults(parser):
     (dict(text_input="", max_tokens=5), "empty"),
     (dict(text_input=["a", "b"], max_tokens=5), "2 elements"),
     (dict(text_input=b"\xff\xfe", max_tokens=5), "UTF-8"),
-    (dict(text_input="Hi", max_tokens=-1), "max_new_tokens"),
+    (dict(text_input="Hi", max_tokens=-1), r"`max_tokens` is -1; expected an integer in \[1, 2147483647\]"),
+    (dict(text_input="Hi", max_tokens=4294967304), "`max_tokens` is 4294967304"),  # not wrapped to 8
+    (dict(text_input="Hi", max_tokens=5, top_k=3_000_000_000), "`top_k` is 3000000000"),
+    (dict(text_input="Hi", max_tokens=5, seed=-1), r"`seed` is -1; expected an integer in \[0, "),
+    (dict(text_input="Hi", max_tokens=5, block_len=0), "`block_len` is 0"),
     (dict(text_input="Hi", max_tokens=5, top_p=0.0), "top_p"),
     (dict(text_input="Hi", max_tokens=5, stop_words=["no such word"]), "single token"),
 ])
@@ -118,3 +122,34 @@ def test_interleave_takes_one_chunk_per_live_stream_per_turn_and_isolates_failur
     items = list(io.interleave([stream("a", 3), stream("b", 1), stream("c", 3, fail_at=1)]))
     shown = [(i, item.text if not isinstance(item, Exception) else str(item)) for i, item in items]
     assert shown == [(0, "a0"), (1, "b0"), (2, "c0"), (0, "a1"), (2, "c broke"), (0, "a2")]
+
+
+def test_integer_inputs_are_int64_so_the_model_sees_the_value_a_client_sent():
+    """Triton converts a JSON integer to the declared type by truncation: an INT32 `max_tokens` of 4294967304
+    reached the model as 8. Declared INT64, every integer in the int64 range arrives intact and is range-checked."""
+    declared = {spec.name: spec.data_type for spec in io.INPUTS}
+    assert {name: declared[name] for name in io.INTEGER_RANGES} == dict.fromkeys(io.INTEGER_RANGES, "TYPE_INT64")
+
+
+class _Codes:
+    INVALID_ARG, INTERNAL, CANCELLED = "INVALID_ARG", "INTERNAL", "CANCELLED"
+
+
+class _Utils:
+    """The two ``pb_utils`` constructors ``error_response`` calls, recording their arguments."""
+
+    class TritonError(_Codes):
+        def __init__(self, message, code):
+            self.message, self.code = message, code
+
+    class InferenceResponse:
+        def __init__(self, error):
+            self.error = error
+
+
+@pytest.mark.parametrize(("error", "code"), [(RequestError("bad max_tokens"), "INVALID_ARG"),
+                                             (RuntimeError("probability tensor contains nan"), "INTERNAL"),
+                                             ("cancelled", "CANCELLED")])
+def test_error_response_code_tells_a_bad_request_from_a_failure(error, code):
+    response = io.error_response(_Utils, error)
+    assert response.error.code == code and str(error) in response.error.message

@@ -22,20 +22,23 @@ class TritonPythonModel:
         self.metrics = TritonSpecMetrics(pb_utils, {"model": s.name, "version": args["model_version"]})
 
     def execute(self, requests):
-        jobs = [_guarded(self._start, request) for request in requests]  # all submitted first: batched forwards
+        jobs = [self._guarded(self._start, request) for request in requests]  # all submitted first: one batch
         if not self.settings.decoupled:
-            return [job if isinstance(job, pb_utils.InferenceResponse) else _guarded(self._finish, job) for job in jobs]
+            return [job if isinstance(job, pb_utils.InferenceResponse) else self._guarded(self._finish, job)
+                    for job in jobs]
         streams = []
         for request, job in zip(requests, jobs):
             sender = request.get_response_sender()
             if isinstance(job, pb_utils.InferenceResponse) or not job[1]:  # an error, or one whole response
-                sender.send(job if isinstance(job, pb_utils.InferenceResponse) else _guarded(self._finish, job),
+                sender.send(job if isinstance(job, pb_utils.InferenceResponse) else self._guarded(self._finish, job),
                             flags=FINAL)
             else:
                 streams.append((request, sender, job[0]))
         for index, item in io.interleave([handle for _, _, handle in streams]):  # sent from this thread only
             request, sender, handle = streams[index]
             if isinstance(item, Exception) or item.finish_reason == "cancelled":
+                if isinstance(item, Exception):
+                    self.metrics.failed(item)
                 sender.send(io.error_response(pb_utils, item if isinstance(item, Exception) else "cancelled"),
                             flags=FINAL)
             elif request.is_cancelled():
@@ -59,13 +62,13 @@ class TritonPythonModel:
         self.metrics.observe(result.stats)
         return io.response(pb_utils, io.result_outputs(result, self.settings.batched))
 
+    def _guarded(self, work, *arguments):
+        try:
+            return work(*arguments)
+        except Exception as exc:  # this request's response carries the error; the model keeps serving
+            self.metrics.failed(exc)  # Triton counts an answered request as a success, error or not
+            return io.error_response(pb_utils, exc)
+
     def finalize(self):
-        self.session.close()
+        self.session.close(cancel=True)
         self.metrics.close()
-
-
-def _guarded(work, *arguments):
-    try:
-        return work(*arguments)
-    except Exception as exc:  # this request's response carries the error; the model keeps serving
-        return io.error_response(pb_utils, exc)
