@@ -49,6 +49,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = Field(default=None, description="`include_usage` for streams.")
     n: Literal[1] = Field(default=1, description="Choices per request; only 1 is served.")
     user: str | None = Field(default=None, description="End-user id (accepted, not used).")
+    presence_penalty: _Float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0: no penalties are applied "
+                                                                             "(clients often send 0 explicitly).")
+    frequency_penalty: _Float = Field(default=0.0, ge=0.0, le=0.0, description="Only 0, as presence_penalty.")
     ignore_eos: bool = Field(default=False, description="Extension: do not stop at the end-of-sequence token.")
 
     def stop_strings(self) -> tuple[str, ...]:

@@ -144,7 +144,9 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, "application/json", 400, "stream", "boolean"),
     ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 5}, "application/json", 400, "logprobs", "null"),
     ("completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 1}, "application/json", 400,
-     "frequency_penalty", "not supported"),
+     "frequency_penalty", "less than or equal to 0"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, "application/json", 400,
+     "logit_bias", "not supported"),
     ("completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "application/json", 400,
      "stop", "at most 4"),
     ("completions", {"model": MODEL, "prompt": 123}, "application/json", 400, "prompt", "valid"),
@@ -167,7 +169,8 @@ BAD_REQUESTS = [
 
 
 def test_bad_requests_get_4xx_errors_while_good_ones_keep_working(server, reference_session):
-    good = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0}
+    good = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0, "presence_penalty": 0,
+            "frequency_penalty": 0.0}
     expected = _expected(reference_session, PROMPTS[2], 16)
     with httpx.Client(base_url=server.v1, timeout=30) as client:
         for route, body, content_type, status, param, words in BAD_REQUESTS:
