@@ -3,6 +3,11 @@
 Run from the repository root (about 5 minutes on one CPU thread)::
 
     .venv/bin/python tools/quantization_report.py --out /tmp/quantization_report.json
+    .venv/bin/python tools/quantization_report.py --backend onnxruntime --engines /tmp/quant-engines
+
+The torch backend runs the quantised target from its tensors, weight-only and with quantised
+activations. ``--backend onnxruntime`` builds (or reuses) one engine per mode under ``--engines``
+(``dflash-trt build --quant none|fp8|nvfp4``) and runs speculative vs plain decoding on each.
 
 Defaults: the embedded stories260K pair (``load_pair()``), the first sentences of the 21 held-out
 TinyStories stories (``dflash_trt/bench/prompts/tinystories.jsonl``), greedy, B=16, 256 new
@@ -24,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_trt.builder.load import load_pair  # noqa: E402
-from dflash_trt.bench.quantization_report import measure_quantization  # noqa: E402
+from dflash_trt.bench.quantization_report import measure_engines, measure_quantization  # noqa: E402
 from dflash_trt.builder.quantized_checkpoint import calibration_batch  # noqa: E402
 from dflash_trt.training.prompts import read_prompts  # noqa: E402
 
@@ -41,7 +46,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--block-len", type=int, default=16)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--backend", default="torch", choices=("torch", "onnxruntime"))
+    parser.add_argument("--engines", default="/tmp/quantization-engines",
+                        help="--backend onnxruntime: folder of the engines (built when missing)")
     args = parser.parse_args()
+    if args.backend != "torch":
+        return engine_report(args)
 
     torch.set_num_threads(1)
     pair = load_pair(args.target, args.draft)
@@ -58,6 +68,30 @@ def main() -> None:
               f"{r.agreement_to_first_divergence:.3f} | {r.agreement_overall:.3f} | {r.teacher_forced_agreement:.3f} | "
               f"{r.identical_to_float}/{r.prompts} "
               f"| {r.lossless}/{r.prompts} | {r.checkpoint_bytes:,} | {r.linear_bytes:,} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "prompts": prompts,
+                                              "rows": [r.to_dict() for r in rows]}, indent=1) + "\n")
+
+
+def engine_report(args: argparse.Namespace) -> None:
+    from dflash_trt.builder.engine import BuildConfig, build_engine
+
+    torch.set_num_threads(1)
+    prompts = read_prompts(args.prompts)
+    engines = {}
+    for mode in ("none", "fp8", "nvfp4"):
+        folder = Path(args.engines) / mode
+        if not (folder / "manifest.json").is_file():
+            build_engine(BuildConfig(out=folder, target=args.target, draft=args.draft, backend=args.backend,
+                                     quant=mode, max_batch_size=1))
+        engines[mode] = folder
+    rows = measure_engines(engines, prompts, args.backend, max_new_tokens=args.max_new_tokens,
+                           block_len=args.block_len)
+    print("| backend | mode | activations | τ (pooled) | identical to float | speculative == plain |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.backend} | {r.mode} | float (weight-only) | {r.tau:.3f} | {r.identical_to_float}/{r.prompts} "
+              f"| {r.lossless}/{r.prompts} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "prompts": prompts,
                                               "rows": [r.to_dict() for r in rows]}, indent=1) + "\n")

@@ -13,12 +13,17 @@ CPU runtime's default; ``quantized`` = W8A8 / W4A4 emulation) the target is quan
 
 Stop tokens are disabled so every output has exactly ``max_new_tokens`` tokens and the agreement
 fractions share one denominator. ``docs/quantization.md`` reports the numbers of ``tools/quantization_report.py``.
+
+:func:`measure_engines` runs the same speculative-vs-plain protocol on engine folders built with
+``--quant none|fp8|nvfp4`` (e.g. the ONNX Runtime backend, whose graphs run the weights dequantised
+from the stored tensors with float activations).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -122,3 +127,44 @@ def measure_quantization(pair: ModelPair, prompts: Sequence[str], calibration: T
                 identical_to_float=identical, lossless=lossless,
                 prompts=len(prompts), checkpoint_bytes=_bytes(state, False), linear_bytes=_bytes(state, True)))
     return reports
+
+
+@dataclass(frozen=True)
+class EngineLosslessness:
+    """One engine: τ and speculative == plain decoding on that engine's backend (τ includes the bonus)."""
+
+    mode: str
+    backend: str
+    tau: float  # all cycles of all prompts pooled
+    identical_to_float: int  # prompts whose plain greedy output equals the ``none`` engine's
+    lossless: int  # prompts whose speculative output equals plain decoding on the same engine
+    prompts: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_engines(engines: dict[str, Path], prompts: Sequence[str], backend: str, *, max_new_tokens: int = 256,
+                    block_len: int = 16) -> list[EngineLosslessness]:
+    """Speculative vs plain greedy per engine folder (``{mode: folder}``; ``none`` first, the float reference)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, block_len=block_len, stop_token_ids=())
+    plain = params.model_copy(update={"block_len": 1})
+    reference: list[list[int]] | None = None
+    rows = []
+    for mode, folder in engines.items():
+        session = Session.load(folder, backend)
+        pooled, lossless, outputs = SpecStats(), 0, []
+        try:
+            for prompt in prompts:
+                speculative = session.generate(prompt, params)
+                greedy = session.generate(prompt, plain).token_ids
+                pooled = pooled.merge(speculative.stats)
+                lossless += speculative.token_ids == greedy
+                outputs.append(greedy)
+        finally:
+            session.close()
+        reference = outputs if reference is None else reference
+        identical = sum(a == b for a, b in zip(outputs, reference))
+        rows.append(EngineLosslessness(mode=mode, backend=backend, tau=pooled.mean_acceptance_length,
+                                       identical_to_float=identical, lossless=lossless, prompts=len(prompts)))
+    return rows
