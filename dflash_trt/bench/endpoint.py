@@ -242,7 +242,7 @@ async def _benchmark(config: EndpointBenchConfig, progress: Callable[[str, int, 
                     "label": load.label, "endpoints": {}}
             timings: dict[int, list[RequestTiming]] = {i: [] for i in range(len(servers))}
             walls = {i: 0.0 for i in range(len(servers))}
-            for i, server in enumerate(servers):
+            for server in servers:
                 warm = [_body(server, p.text, min(16, config.max_tokens), temperature, config.seed + k, False)
                         for k, p in enumerate(prompts[:config.warmup])]
                 await run_load(client, server["url"], warm, Load("concurrency", max(len(warm), 1)), config.seed)

@@ -55,7 +55,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     errors = [(cell["label"], label, e) for cell in report["cells"] for label, m in cell["endpoints"].items()
               for e in m["errors"]]
     if errors:
-        lines += ["", "## Failed requests (first errors)", ""] + [f"- {c} `{l}`: {e}" for c, l, e in errors]
+        lines += ["", "## Failed requests (first errors)", ""]
+        lines += [f"- {load} `{server}`: {error}" for load, server, error in errors]
     return "\n".join(lines) + "\n"
 
 

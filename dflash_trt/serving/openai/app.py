@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.session import Session
 from dflash_trt.serving.openai.chat_template import ChatTemplate
-from dflash_trt.serving.openai.dispatcher import Dispatcher, Piece, Ticket
+from dflash_trt.serving.openai.dispatcher import Dispatcher, Piece
 from dflash_trt.serving.openai.prometheus import ServerMetrics
 from dflash_trt.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, RequestRefused, chunk_body,
                                                 completion_body, new_id, parse, spec_decoding, usage)
@@ -111,14 +111,14 @@ def create_app(session: Session, model: ServedModel, template: ChatTemplate, api
         if not body.prompt:
             raise RequestRefused("field `prompt` is empty; expected text or at least one token id. Fix: send a "
                                  "non-empty prompt.", param="prompt")
-        ids = await _encode(dispatcher, session, body.prompt)
+        ids = await _encode(session, body.prompt)
         return await _answer(request, dispatcher, model.id, body, ids, COMPLETION_DEFAULT_MAX_TOKENS, plain, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await _json_body(request, api_key))
         _check_model(body.model, model.id)
-        ids = await _encode(dispatcher, session, template.render(body.messages))
+        ids = await _encode(session, template.render(body.messages))
         room = max(session.max_seq_len - len(ids), 1)
         return await _answer(request, dispatcher, model.id, body, ids, room, plain, chat=True)
 
@@ -152,7 +152,7 @@ def _check_model(requested: str, served: str) -> None:
                              kind="not_found_error")
 
 
-async def _encode(dispatcher: Dispatcher, session: Session, prompt: str | list[int]) -> list[int]:
+async def _encode(session: Session, prompt: str | list[int]) -> list[int]:
     """Token ids of the prompt (text is tokenized on a worker thread: long prompts take a while)."""
     if isinstance(prompt, list):
         return prompt
@@ -229,4 +229,4 @@ async def _events(pieces: AsyncIterator[Piece], request_id: str, model_id: str, 
         await pieces.aclose()
 
 
-__all__ = ["ServedModel", "Ticket", "create_app"]
+__all__ = ["ServedModel", "create_app"]

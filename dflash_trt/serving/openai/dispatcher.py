@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.runtime.session import RequestHandle, Session

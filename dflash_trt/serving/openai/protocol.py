@@ -137,7 +137,8 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
         first = exc.errors()[0]
         if first["type"] == "json_invalid":
             raise RequestRefused(f"the body is not valid JSON ({first['msg']}); expected one JSON object. Fix: "
-                                 "send `Content-Type: application/json` with a JSON object.", code="invalid_json")
+                                 "send `Content-Type: application/json` with a JSON object.", code="invalid_json") \
+                from None
         param = ".".join(str(part) for part in first["loc"] if not _is_union_member(part)) or None
         if first["type"] == "missing":
             message = f"field `{param}` is missing; expected it in every request. Fix: send `{param}`."
