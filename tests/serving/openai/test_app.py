@@ -205,3 +205,18 @@ def test_models_and_metrics_report_the_conditions_and_spec_counters(server):
                    "dflash_num_requests_waiting", "dflash_spec_decode_num_drafts_total",
                    "dflash_spec_decode_num_accepted_tokens_total", 'dflash_request_success_total{finished_reason='):
         assert family in text, family
+
+
+def test_streamed_and_whole_text_equal_dflash_trt_run(server):
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    ran = CliRunner().invoke(main, ["run", "--prompt", PROMPTS[1], "--max-new-tokens", "64", "--json"])
+    assert ran.exit_code == 0, ran.output
+    expected = json.loads(ran.output)["text"]
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=64, temperature=0)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=64, temperature=0, stream=True)
+    assert whole.choices[0].text == expected
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected
