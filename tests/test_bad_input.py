@@ -158,3 +158,16 @@ def test_session_load_of_something_that_is_not_a_path():
 def test_build_config_raises_a_config_error_naming_the_field(tmp_path):
     with pytest.raises(ConfigError, match="field `max_batch_size` is 0"):
         BuildConfig(out=tmp_path / "e", max_batch_size=0)
+
+
+@pytest.mark.parametrize("out", ["", ".", "engines/.."])
+def test_build_out_must_name_a_folder(out):
+    with pytest.raises(ConfigError, match="field `out`"):
+        BuildConfig(out=out)
+
+
+def test_build_engine_refuses_a_config_of_the_wrong_type(tmp_path):
+    from dflash_trt.builder.engine import build_engine
+
+    with pytest.raises(ConfigError, match="config has type dict"):
+        build_engine({"out": tmp_path / "e"})

@@ -103,6 +103,9 @@ class BuildConfig(BaseModel):
             super().__init__(**fields)
         except ValidationError as exc:
             raise validation_error(ConfigError, "build config", exc, "see `dflash-trt build --help`.") from None
+        if self.out.name in ("", ".", ".."):
+            raise ConfigError(f"build config: field `out` is {str(self.out)!r}; expected a folder name such as "
+                              "engines/NAME (a build renames its own folder into place). Fix: pass --out engines/NAME.")
 
     def command(self) -> str:
         """The command line that rebuilds this engine (recorded in the manifest, quoted in errors)."""
@@ -252,6 +255,9 @@ def _quantize(pair: ModelPair, mode: str, work: Path) -> tuple[ModelPair, Quanti
 
 def build_engine(config: BuildConfig, progress: Progress | None = None) -> BuildReport:
     """Build ``config.out``. Returns the report; ``report.pending`` lists what this machine could not write."""
+    if not isinstance(config, BuildConfig):
+        raise ConfigError(f"config has type {type(config).__name__}; expected a BuildConfig. Fix: pass "
+                          "BuildConfig(out=Path('engines/NAME'), ...).")
     out = config.out
     check_replaceable(out, config.force)
     began = time.perf_counter()
