@@ -23,6 +23,8 @@ Examples:
   dflash-trt build --target ./Qwen3-4B --draft ./Qwen3-4B-DFlash-b16 --out engines/qwen3-4b --max-seq-len 4096
   dflash-trt build --out engines/stories260K-trt --backend tensorrt       # on a GPU machine
   dflash-trt build --out engines/stories260K-trtllm --backend trtllm      # LLM-API YAML for trtllm-serve
+  dflash-trt build --target ./Qwen3-32B --draft ./Qwen3-32B-DFlash-b16 --out engines/qwen3-32b-tp4 \
+      --backend trtllm --tp 4 --trtllm-options cuda_graphs.yaml           # 4 GPUs, extra TensorRT-LLM keys
 """
 
 
@@ -54,9 +56,16 @@ def _size(num: int) -> str:
               help="Drafter graph ONNX Runtime runs: standard ONNX ops (fast) or DFlashBlockAttention plugin nodes.")
 @click.option("--force", is_flag=True, help="Replace an existing engine folder (only one `dflash-trt build` wrote: "
               "never a file, a link or a folder holding other files).")
+@click.option("--tp", "tensor_parallel_size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--backend trtllm: tensor-parallel GPUs (must divide the heads and KV heads).")
+@click.option("--pp", "pipeline_parallel_size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--backend trtllm: pipeline-parallel stages (must divide the target's layers).")
+@click.option("--trtllm-options", "options_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="--backend trtllm: YAML of TensorRT-LLM LLM() keys merged into the bundle (e.g. cuda_graph_config, "
+                   "speculative_config.draft_len_schedule).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def build_command(target, draft, out, backend, quant, max_batch_size, max_seq_len, block_len, drafter_graph, force,
-                  as_json) -> None:
+                  tensor_parallel_size, pipeline_parallel_size, options_file, as_json) -> None:
     """Build an engine folder (manifest.json + artefacts) from a target and its DFlash drafter."""
     from rich.console import Console
 
@@ -64,7 +73,9 @@ def build_command(target, draft, out, backend, quant, max_batch_size, max_seq_le
 
     config = BuildConfig(target=target, draft=draft, out=out, backend=backend, quant=quant,
                          max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_len=block_len,
-                         drafter_graph=drafter_graph, force=force)
+                         drafter_graph=drafter_graph, force=force,
+                         trtllm={"tensor_parallel_size": tensor_parallel_size,
+                                 "pipeline_parallel_size": pipeline_parallel_size, "options_file": options_file})
     console = Console(stderr=True, highlight=False)
 
     def progress(event: str, step: str, seconds: float | None) -> None:

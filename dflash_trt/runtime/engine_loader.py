@@ -69,7 +69,7 @@ def resolve_backend(manifest: Manifest, requested: str, folder: Path) -> str:
     if requested == "trtllm":
         raise BackendUnavailableError(f"{folder}: backend 'trtllm' is served by TensorRT-LLM, not by Session. Fix: "
                                       f"`trtllm-serve <target> --config {folder}/trtllm/llm_api_options.yaml`, or "
-                                      "dflash_trt.builder.bundle_trtllm.TrtLlmRunner on a GPU machine.")
+                                      "dflash_trt.plugins.trtllm.runner.TrtLlmRunner on a GPU machine.")
     spec = backend_spec(requested)  # an unknown name is refused there, listing the known ones
     if requested not in manifest.backends:
         raise IncompatibleEngineError(f"{folder}: backend {requested!r} was not built into this engine; it holds "

@@ -207,3 +207,37 @@ def test_runner_refuses_an_engine_without_a_bundle(tmp_path_factory):
     with pytest.raises(EngineFormatError, match="holds no TensorRT-LLM bundle"):
         TrtLlmRunner(engine)
     assert issubclass(BackendUnavailableError, ImportError)
+
+
+def test_build_cli_takes_tp_pp_and_an_options_file(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    user = tmp_path / "graphs.yaml"
+    user.write_text("cuda_graph_config:\n  enable_padding: true\n")
+    out = tmp_path / "cli-tp2"
+    result = CliRunner().invoke(main, ["build", "--out", str(out), "--backend", "trtllm", "--max-seq-len", "256",
+                                       "--tp", "2", "--pp", "5", "--trtllm-options", str(user), "--json"])
+    options = yaml.safe_load((out / "trtllm" / OPTIONS_FILE).read_text())
+    assert (options["tensor_parallel_size"], options["pipeline_parallel_size"]) == (2, 5)
+    assert options["cuda_graph_config"] == {"enable_padding": True}
+    if gpu_info() is None:  # the bundle is written; serving it is what stays pending on a CPU machine
+        assert isinstance(result.exception, BackendUnavailableError) and "needs an NVIDIA GPU" in str(result.exception)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--backend", "trtllm", "--tp", "3"], "field `--tp` is 3; expected a divisor of the target's num_heads (8): "
+                                           "one of [1, 2, 4, 8]. Fix: pass --tp 2"),
+    (["--tp", "2"], "apply to --backend trtllm; got --backend onnxruntime"),
+])
+def test_build_cli_refuses_a_bad_split_in_one_line(tmp_path, args, message):
+    import subprocess
+    import sys
+
+    out = tmp_path / "refused"
+    result = subprocess.run([sys.executable, "-m", "dflash_trt", "build", "--out", str(out), *args],
+                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    last = result.stderr.strip().splitlines()[-1]  # after the progress lines of the steps that ran
+    assert result.returncode == 2 and message in last, result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
