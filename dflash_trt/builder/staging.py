@@ -86,11 +86,11 @@ def check_replaceable(out: Path, force: bool) -> None:
 
 def _process_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, owned by someone else
-        return True
+    except PermissionError:  # it exists, owned by someone else
+        pass
     return True
 
 
@@ -106,8 +106,8 @@ def _is_stale(folder: Path, pid: int) -> bool:
             return False
         if not isinstance(owner, dict) or owner.get("host") != socket.gethostname() or owner.get("pid") != pid:
             return False
-    elif _engine_files(folder) is None:  # neither our marker nor our manifest (a replaced engine moved aside)
-        return False
+    elif any(folder.iterdir()) and _engine_files(folder) is None:
+        return False  # not empty (killed before the marker was written), no marker, not our engine: not ours
     return not _process_alive(pid)
 
 

@@ -118,12 +118,15 @@ def test_the_next_build_removes_what_a_killed_build_left_but_never_a_users_folde
     assert _killed_build(tmp_path / "engine", "SIGKILL") == -signal.SIGKILL
     left = _leftovers(tmp_path)
     assert len(left) == 1 and ".engine.tmp-" in left[0] and (tmp_path / left[0] / STAGING_MARKER).is_file()
-    mine = tmp_path / ".engine.tmp-1-0123abcd"  # our naming pattern, but no marker and no manifest: a user's
+    mine = tmp_path / ".engine.tmp-999999999-0123abcd"  # our naming pattern, no marker, no manifest: a user's
     mine.mkdir()
     (mine / "data.txt").write_text("mine")
     elsewhere = tmp_path / ".other.tmp-2-0123abcd"  # a build on another host sharing this folder
     elsewhere.mkdir()
     (elsewhere / STAGING_MARKER).write_text(json.dumps({"host": socket.gethostname() + "-other", "pid": 2}))
+    dead_pid = left[0].split(".tmp-")[1].split("-")[0]  # the killed build's process
+    empty = tmp_path / f".engine.tmp-{dead_pid}-89abcdef"  # killed between creating the folder and the marker
+    empty.mkdir()
     running = tmp_path / f".other.tmp-{os.getpid()}-0123abcd"  # a build still running here
     running.mkdir()
     (running / STAGING_MARKER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
