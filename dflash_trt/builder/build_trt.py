@@ -3,9 +3,9 @@
 ``build_serialized(trt, onnx, profile)`` is written against the builder API that TensorRT 10, 11 and
 TensorRT-RTX share (``Builder``, ``create_network``, ``OnnxParser``, one optimisation profile,
 ``build_serialized_network``), taking the module as an argument so the same glue is exercised on CPU
-machines by ``tensorrt_rtx`` (a builder that needs no GPU; environment.md §6.2). Nothing here creates
+machines by ``tensorrt_rtx`` (a builder that needs no GPU; docs/environment.md §6.2). Nothing here creates
 a TensorRT *runtime* object. Networks are strongly typed: TensorRT 10 needs the ``STRONGLY_TYPED``
-creation flag, TensorRT 11 and RTX have no other mode (serving.md §0).
+creation flag, TensorRT 11 and RTX have no other mode (docs/serving-notes.md §0).
 
 ``build_plans`` is the engine step: on a GPU machine with TensorRT it builds ``tensorrt/target.plan``
 and ``tensorrt/draft.plan`` (the plugin graph with ``libdflash_plugins.so``, or the standard-op graph
@@ -42,9 +42,11 @@ def graph_profiles(pair, limits: GraphLimits) -> dict[str, Profile]:
         return ((1, layers, heads, 1, dim), (1, layers, heads, seq, dim), (batch, layers, heads, seq, dim))
 
     lengths = ((1,), (1,), (batch,))
+    live = ((1,), (seq // 2,), (seq,))  # cache_positions: the committed rows a forward reads
     target_cache = slot_cache(t.num_layers, t.num_kv_heads, t.head_dim)
     tokens = rows(max(block, 1), seq)
-    profiles: dict[str, Profile] = {"target": {"tokens": tokens, "positions": tokens, "cache_lengths": lengths,
+    profiles: dict[str, Profile] = {"target": {"tokens": tokens, "positions": tokens, "cache_positions": live,
+                                               "cache_lengths": lengths,
                                                "key_cache": target_cache, "value_cache": target_cache}}
     if pair.draft is not None:
         d = pair.draft.config
@@ -53,7 +55,8 @@ def graph_profiles(pair, limits: GraphLimits) -> dict[str, Profile]:
         draft_cache = slot_cache(d.num_layers, d.num_kv_heads, d.head_dim)
         profiles["draft"] = {"block": blocks, "block_positions": blocks,
                              "taps": ((1, 1, width), (1, block, width), (batch, seq, width)),
-                             "context_positions": rows(block, seq), "cache_lengths": lengths,
+                             "context_positions": rows(block, seq), "cache_positions": live,
+                             "cache_lengths": lengths,
                              "key_cache": draft_cache, "value_cache": draft_cache}
         n, heads, dim = d.num_layers, d.num_kv_heads, d.head_dim
         past = ((n, 1, heads, 0, dim), (n, 1, heads, seq // 2, dim), (n, batch, heads, seq - 1, dim))

@@ -1,4 +1,4 @@
-"""The TensorRT-LLM ``llmapi`` Triton variant for GPU deployments (serving.md §2, §6.1).
+"""The TensorRT-LLM ``llmapi`` Triton variant for GPU deployments (docs/serving-notes.md §2, §6.1).
 
 Layout, as TensorRT-LLM's ``triton_backend/all_models/llmapi/tensorrt_llm`` expects::
 

@@ -1,4 +1,4 @@
-"""What this machine offers TensorRT, found without touching TensorRT (environment.md §6.3).
+"""What this machine offers TensorRT, found without touching TensorRT (docs/environment.md §6.3).
 
 A GPU is detected through torch's CUDA runtime; the TensorRT version through package metadata
 (never ``import tensorrt`` here). ``tensorrt_blocker`` is what ``Session.load`` asks before the

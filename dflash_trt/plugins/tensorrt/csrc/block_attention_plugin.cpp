@@ -3,7 +3,7 @@
 // block_v (float32, linear); attributes scale (float), window (int), causal (int); one output [B, T, nq*d].
 // The ONNX parser creates it from a DFlashBlockAttention node (plugin_version "1", plugin_namespace "dflash").
 // Load with IPluginRegistry::loadLibrary / trtexec --dynamicPlugins: the library exports getCreators and
-// setLoggerFinder (serving.md §4.1).
+// setLoggerFinder (docs/serving-notes.md §4.1, docs/gpu.md).
 #include <NvInferRuntime.h>
 
 #include <cmath>
