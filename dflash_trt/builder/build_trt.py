@@ -91,8 +91,10 @@ def build_serialized(trt: Any, onnx_path: Path, profile: Profile, plugin_librari
                                       "check the TensorRT version (10.x/11.x) and that the plugin library is loaded.")
     config = builder.create_builder_config()
     optimization = builder.create_optimization_profile()
+    inputs = {network.get_input(i).name for i in range(network.num_inputs)}
     for name, (low, opt, high) in profile.items():
-        optimization.set_shape(name, low, opt, high)
+        if name in inputs:  # a graph without an optional input (e.g. no cache_positions) has no entry for it
+            optimization.set_shape(name, low, opt, high)
     config.add_optimization_profile(optimization)
     if plugin_libraries and hasattr(config, "plugins_to_serialize"):
         config.plugins_to_serialize = [str(p) for p in plugin_libraries]
