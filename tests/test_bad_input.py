@@ -150,6 +150,12 @@ def test_session_settings_are_checked_before_anything_is_allocated(fields, messa
         Session.from_checkpoints(**fields)
 
 
+@pytest.mark.parametrize("field", ["target", "draft"])
+def test_a_checkpoint_that_is_not_a_path_is_a_config_error(field):
+    with pytest.raises(ConfigError, match=f"{field} is 123; expected a checkpoint path"):
+        Session.from_checkpoints(**{field: 123})
+
+
 def test_session_load_of_something_that_is_not_a_path():
     with pytest.raises(EngineFormatError, match="engine folder is None"):
         Session.load(None)

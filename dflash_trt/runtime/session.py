@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import operator
+import os
 import queue
 import threading
 import time
@@ -117,6 +118,10 @@ class Session:
         """Load checkpoints (``None`` = the embedded stories260K pair) and build a session.
 
         ``device`` (torch backend): ``cpu``, or ``cuda``/``cuda:N`` to run the same code on a GPU."""
+        for name, value in (("target", target), ("draft", draft)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ConfigError(f"{name} is {value!r}; expected a checkpoint path (str or Path) or None (the "
+                                  "embedded stories260K pair). Fix: pass the checkpoint's path.")
         return cls(load_pair(target, draft, dtype=dtype, use_draft=use_draft), backend=backend,
                    max_seq_len=max_seq_len, max_batch=max_batch, speculation=speculation, device=device)
 
