@@ -46,10 +46,10 @@ from dflash_trt.model.layers import attend
 from dflash_trt.model.target import TargetModel
 
 OPSET = 20
-TARGET_INPUTS = ("tokens", "positions", "cache_lengths", "key_cache", "value_cache")
+TARGET_INPUTS = ("tokens", "positions", "cache_positions", "cache_lengths", "key_cache", "value_cache")
 TARGET_OUTPUTS = ("logits", "taps", "new_keys", "new_values")
-DRAFT_INPUTS = ("block", "block_positions", "taps", "context_positions", "cache_lengths", "key_cache",
-                "value_cache")
+DRAFT_INPUTS = ("block", "block_positions", "taps", "context_positions", "cache_positions", "cache_lengths",
+                "key_cache", "value_cache")
 DRAFT_OUTPUTS = ("draft_logits", "context_keys", "context_values")
 PLUGIN_DRAFT_INPUTS = ("block", "taps", "past_keys", "past_values")
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; larger graphs keep weights beside them
@@ -66,11 +66,12 @@ class GraphLimits:
 
 
 class _BoundCache:
-    """Stands in for ``StaticKVCache`` in a graph: ``write`` returns ``[bound cache rows ; new rows]`` for
-    every row and remembers the new rows as graph outputs. Shapes: caches ``[B, N, nkv, S, d]``."""
+    """Stands in for ``StaticKVCache`` in a graph: ``write`` returns ``[live cache rows ; new rows]`` for every
+    row and remembers the new rows as graph outputs. Shapes: caches ``[B, N, nkv, S, d]``; the first ``K``
+    rows of each are read (``K`` = the size of ``cache_positions``)."""
 
-    def __init__(self, key_cache: Tensor, value_cache: Tensor) -> None:
-        self.key_cache, self.value_cache = key_cache, value_cache
+    def __init__(self, key_cache: Tensor, value_cache: Tensor, live: int) -> None:
+        self.key_cache, self.value_cache, self.live = key_cache, value_cache, live
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
 
@@ -78,18 +79,19 @@ class _BoundCache:
               ) -> tuple[Tensor, Tensor]:
         self.new_keys.append(keys)  # [B, nkv, T, d]
         self.new_values.append(values)
-        return (torch.cat([self.key_cache[:, layer], keys], dim=2),
-                torch.cat([self.value_cache[:, layer], values], dim=2))
+        return (torch.cat([self.key_cache[:, layer, :, :self.live], keys], dim=2),
+                torch.cat([self.value_cache[:, layer, :, :self.live], values], dim=2))
 
     def outputs(self) -> tuple[Tensor, Tensor]:
         """``[B, N, nkv, T, d]`` each."""
         return torch.stack(self.new_keys, dim=1), torch.stack(self.new_values, dim=1)
 
 
-def _cache_key_valid(cache_lengths: Tensor, length: int | Tensor) -> Tensor:
-    """``[B, 1, S]``: cache row ``j`` of row ``b`` holds a committed position iff ``j < cache_lengths[b]``."""
-    rows = torch.arange(length, device=cache_lengths.device)
-    return (rows.view(1, -1) < cache_lengths.view(-1, 1)).unsqueeze(1)
+def _additive(visible: Tensor) -> Tensor:
+    """Bool mask -> additive float mask (0 attend, -inf not): SDPA then exports as Add + Softmax, without the
+    NaN guard a boolean mask brings (every query sees at least one key here)."""
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(~visible,
+                                                                                             float("-inf"))
 
 
 class TargetGraph(nn.Module):
@@ -100,18 +102,17 @@ class TargetGraph(nn.Module):
         self.model = model
         self.tap_ids = tap_ids
 
-    def forward(self, tokens: Tensor, positions: Tensor, cache_lengths: Tensor, key_cache: Tensor,
-                value_cache: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, tokens: Tensor, positions: Tensor, cache_positions: Tensor, cache_lengths: Tensor,
+                key_cache: Tensor, value_cache: Tensor) -> tuple[Tensor, ...]:
         slots = key_cache.shape[3]  # S: padding tokens sit at position S
         h = self.model.embed_tokens(tokens)
         cos, sin = self.model.rotary.lookup(positions, h.dtype)
         queries = positions.unsqueeze(-1)  # [B, T, 1]
-        own = positions.unsqueeze(1)  # [B, 1, T]
         # a query sees the committed cache rows and the new rows at or before it; padding queries see all
-        mask = torch.cat([_cache_key_valid(cache_lengths, slots).expand(-1, tokens.shape[1], -1),
-                          own <= queries], dim=-1) | (queries >= slots)
-        mask = mask.unsqueeze(1)  # [B, 1, T, S+T]
-        cache = _BoundCache(key_cache, value_cache)
+        committed = (cache_positions.view(1, 1, -1) < cache_lengths.view(-1, 1, 1)).expand(-1, tokens.shape[1], -1)
+        mask = _additive((torch.cat([committed, positions.unsqueeze(1) <= queries], dim=-1) | (queries >= slots)
+                          ).unsqueeze(1))  # [B, 1, T, K+T]
+        cache = _BoundCache(key_cache, value_cache, cache_positions.shape[0])
         taps: dict[int, Tensor] = {}
         for index, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, cache, index, 0, mask, positions)
@@ -125,14 +126,16 @@ class TargetGraph(nn.Module):
 
 
 class _BoundKeys:
-    """A draft layer's keys in the batched graph: ``[bound cache rows ; new context ; block]`` under ``masks``.
+    """A draft layer's keys in the batched graph: ``[live cache rows ; new context ; block]`` under ``masks``.
 
     The new context rows are kept as graph outputs (the runtime appends them to its cache; block K/V
-    never survive a cycle). Shapes: caches ``[B, n, nkv, S, d]``; masks ``[B, 1, Bc, S+C+Bc]``.
+    never survive a cycle). Shapes: caches ``[B, n, nkv, S, d]`` (first ``live`` rows read); masks
+    ``[B, 1, Bc, K+C+Bc]`` (additive).
     """
 
-    def __init__(self, key_cache: Tensor, value_cache: Tensor, masks: dict[tuple[bool, bool], Tensor]) -> None:
-        self.key_cache, self.value_cache, self.masks = key_cache, value_cache, masks
+    def __init__(self, key_cache: Tensor, value_cache: Tensor, live: int, masks: dict[tuple[bool, bool], Tensor]
+                 ) -> None:
+        self.key_cache, self.value_cache, self.live, self.masks = key_cache, value_cache, live, masks
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
 
@@ -140,8 +143,8 @@ class _BoundKeys:
                  block_v: Tensor) -> Tensor:
         self.new_keys.append(context_k)  # [B, nkv, C, d]
         self.new_values.append(context_v)
-        keys = torch.cat([self.key_cache[:, layer], context_k, block_k], dim=2)
-        values = torch.cat([self.value_cache[:, layer], context_v, block_v], dim=2)
+        keys = torch.cat([self.key_cache[:, layer, :, :self.live], context_k, block_k], dim=2)
+        values = torch.cat([self.value_cache[:, layer, :, :self.live], context_v, block_v], dim=2)
         return attend(q, keys, values, self.masks[attn.mask_kind])
 
 
@@ -159,21 +162,22 @@ class DraftGraph(nn.Module):
         self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
 
     def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
-                cache_lengths: Tensor, key_cache: Tensor, value_cache: Tensor) -> tuple[Tensor, ...]:
+                cache_positions: Tensor, cache_lengths: Tensor, key_cache: Tensor, value_cache: Tensor
+                ) -> tuple[Tensor, ...]:
         head = self.head
         slots = key_cache.shape[3]
         queries = block_positions.unsqueeze(-1)  # [B, Bc, 1]
-        cache_rows = torch.arange(slots, device=block.device).view(1, 1, -1).expand(block.shape[0], -1, -1)
+        cache_rows = cache_positions.view(1, 1, -1).expand(block.shape[0], -1, -1)
         key_positions = torch.cat([cache_rows, context_positions.unsqueeze(1), block_positions.unsqueeze(1)], -1)
-        valid = torch.cat([_cache_key_valid(cache_lengths, slots), context_positions.unsqueeze(1) < slots,
-                           block_positions.unsqueeze(1) < slots], dim=-1)  # [B, 1, S+C+Bc]
+        valid = torch.cat([cache_rows < cache_lengths.view(-1, 1, 1), context_positions.unsqueeze(1) < slots,
+                           block_positions.unsqueeze(1) < slots], dim=-1)  # [B, 1, K+C+Bc]
         padding = queries >= slots  # padding queries see every key (finite, unused)
         masks = {}
         for causal, sliding in head.mask_kinds:
             window = head.config.sliding_window if sliding else 0
-            masks[(causal, sliding)] = ((valid & visible(queries, key_positions, causal, window)) | padding
-                                        ).unsqueeze(1)
-        keys = _BoundKeys(key_cache, value_cache, masks)
+            masks[(causal, sliding)] = _additive(((valid & visible(queries, key_positions, causal, window))
+                                                  | padding).unsqueeze(1))
+        keys = _BoundKeys(key_cache, value_cache, cache_positions.shape[0], masks)
         embeds = F.embedding(block, self.embed) * head.config.input_embedding_scale
         hidden = head.run_layers(embeds, taps, head.rotary.lookup(block_positions, embeds.dtype),
                                  head.rotary.lookup(context_positions, embeds.dtype), keys)
@@ -253,15 +257,17 @@ def export_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limi
     batch = Dim("batch", min=1, max=max(_EXAMPLE_BATCH, limits.max_batch_size))
     tokens = Dim("tokens", min=1, max=limits.max_seq_len)
     cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
-    example_tokens, example_cache = 3, 7  # distinct sizes so no dim is specialised to another
+    example_tokens, example_live, example_cache = 3, 5, 11  # distinct sizes: no dim is specialised to another
+    live = Dim("live", min=1, max=limits.max_seq_len)
     cache_shape = (_EXAMPLE_BATCH, cfg.num_layers, cfg.num_kv_heads, example_cache, cfg.head_dim)
     args = (torch.randint(0, cfg.vocab_size, (_EXAMPLE_BATCH, example_tokens)),
-            torch.arange(2, 2 + example_tokens).repeat(_EXAMPLE_BATCH, 1), torch.full((_EXAMPLE_BATCH,), 2),
-            torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
+            torch.arange(5, 5 + example_tokens).repeat(_EXAMPLE_BATCH, 1), torch.arange(example_live),
+            torch.full((_EXAMPLE_BATCH,), 4), torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
     cache_dims = {0: batch, 3: cache_len}
     outputs = TARGET_OUTPUTS if tap_ids else tuple(n for n in TARGET_OUTPUTS if n != "taps")
     return _export(TargetGraph(model, tuple(tap_ids)), args, TARGET_INPUTS, outputs,
-                   {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "cache_lengths": {0: batch},
+                   {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "cache_positions": {0: live},
+                    "cache_lengths": {0: batch},
                     "key_cache": cache_dims, "value_cache": cache_dims}, path, {})
 
 
@@ -275,7 +281,8 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
     cfg = head.config
     dtype = head.fc.weight.dtype
     example_block = 2 if limits.block_len == 2 else 3
-    example_context, example_cache = 5, 7
+    example_context, example_live, example_cache = 5, 7, 13
+    live = Dim("live", min=1, max=limits.max_seq_len)
     batch = Dim("batch", min=1, max=max(_EXAMPLE_BATCH, limits.max_batch_size))
     block = Dim("block", min=2, max=max(example_block, limits.block_len))
     context = Dim("context", min=1, max=limits.max_seq_len)
@@ -284,14 +291,15 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
     args = (torch.randint(0, cfg.vocab_size, (_EXAMPLE_BATCH, example_block)),
             torch.arange(example_context, example_context + example_block).repeat(_EXAMPLE_BATCH, 1),
             torch.zeros(_EXAMPLE_BATCH, example_context, cfg.num_taps * cfg.hidden_size, dtype=dtype),
-            torch.arange(example_context).repeat(_EXAMPLE_BATCH, 1), torch.zeros(_EXAMPLE_BATCH, dtype=torch.long),
+            torch.arange(example_context).repeat(_EXAMPLE_BATCH, 1), torch.arange(example_live),
+            torch.full((_EXAMPLE_BATCH,), 3),
             torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
     cache_dims = {0: batch, 3: cache_len}
     graph = DraftGraph(head, target.embed_tokens.weight, target.lm_head.weight)
     return _export(graph, args, DRAFT_INPUTS, DRAFT_OUTPUTS,
                    {"block": {0: batch, 1: block}, "block_positions": {0: batch, 1: block},
                     "taps": {0: batch, 1: context}, "context_positions": {0: batch, 1: context},
-                    "cache_lengths": {0: batch}, "key_cache": cache_dims, "value_cache": cache_dims}, path, {})
+                    "cache_positions": {0: live}, "cache_lengths": {0: batch}, "key_cache": cache_dims, "value_cache": cache_dims}, path, {})
 
 
 def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits) -> Path:

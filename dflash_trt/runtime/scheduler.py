@@ -91,10 +91,12 @@ class Scheduler:
                 self._step()
 
     def _admit(self) -> None:
+        """Move queued requests into free slots and prefill them together, in one forward."""
+        admitted = []
         while self.free_slots:
             with self._wake:
                 if not self.queue:
-                    return
+                    break
                 make_state, sink, cancelled = self.queue.popleft()
             if cancelled.is_set():
                 sink(None)
@@ -103,17 +105,26 @@ class Scheduler:
             try:
                 state = make_state(slot)
                 self.backend.reset_slot(slot)
-                ((logits, taps),) = self.backend.target_batch([state.prefill_row()], state.uses_drafter)
-                entry = _Active(state, sink, cancelled, self.speculation.acceptance_window)
-                sink(state.finish_prefill(logits, taps))
             except BaseException as error:  # noqa: BLE001 - delivered to the request, the worker survives
                 heapq.heappush(self.free_slots, slot)
                 sink(error)
                 continue
-            if state.finished:
-                heapq.heappush(self.free_slots, slot)
-            else:
-                bisect.insort(self.active, entry, key=lambda e: e.state.slot)
+            entry = _Active(state, sink, cancelled, self.speculation.acceptance_window)
+            bisect.insort(self.active, entry, key=lambda e: e.state.slot)
+            admitted.append(entry)
+        if not admitted:
+            return
+        with_taps = any(entry.state.uses_drafter for entry in admitted)
+        rows = self._each(((entry, None) for entry in admitted), lambda entry, _: entry.state.prefill_row())
+        results = self._forward(lambda batch: self.backend.target_batch(batch, with_taps), rows)
+        for entry, (logits, taps) in results:
+            try:
+                entry.sink(entry.state.finish_prefill(logits, taps if entry.state.uses_drafter else None))
+            except Exception as error:  # noqa: BLE001 - delivered to that request, the others go on
+                self._fail(entry, error)
+                continue
+            if entry.state.finished:
+                self._release(entry)
 
     def draft_lengths(self) -> list[int]:
         """This step's draft length per active request (0 = plain decoding)."""

@@ -29,6 +29,7 @@ def test_target_graph_has_cache_inputs_and_tap_outputs(engine):
     # the bound cache: [batch, layers, nkv, S, d], stories260K: 5 layers, nkv 4, head_dim 8
     assert dims["key_cache"] == dims["value_cache"] == ["batch", 5, 4, "cache_len", 8]
     assert dims["tokens"] == dims["positions"] == ["batch", "tokens"] and dims["cache_lengths"] == ["batch"]
+    assert dims["cache_positions"] == ["live"]  # the committed rows a forward reads, not the whole buffer
     onnx.checker.check_model(model, full_check=True)
     assert not plugin_nodes(model)
 

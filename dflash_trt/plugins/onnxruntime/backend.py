@@ -110,8 +110,8 @@ class OrtBackend:
             tokens[index, :len(row.tokens)] = row.tokens
             positions[index, :len(row.tokens)] = np.arange(row.start, row.start + len(row.tokens))
         lengths = np.array([r.start for r in rows], np.int64)
-        outputs = self._target.run({"tokens": tokens, "positions": positions, "cache_lengths": lengths},
-                                   [r.slot for r in rows])
+        outputs = self._target.run({"tokens": tokens, "positions": positions, "cache_positions": _live_rows(lengths),
+                                    "cache_lengths": lengths}, [r.slot for r in rows])
         results = []
         for index, row in enumerate(rows):
             count = len(row.tokens)
@@ -149,7 +149,8 @@ class OrtBackend:
                 context_positions[index, context_width - context:] = np.arange(past, row.start)
             lengths[index] = past
         outputs = self._draft.run({"block": block, "block_positions": block_positions, "taps": taps,
-                                   "context_positions": context_positions, "cache_lengths": lengths},
+                                   "context_positions": context_positions, "cache_positions": _live_rows(lengths),
+                                   "cache_lengths": lengths},
                                   [r.slot for r in rows])
         results = []
         for index, row in enumerate(rows):
@@ -173,6 +174,12 @@ class OrtBackend:
         logits, keys, values = network.session.run(None, feeds)
         network.store(row.slot, past, keys[:, 0], values[:, 0])
         return torch.from_numpy(logits[0])
+
+
+def _live_rows(lengths: np.ndarray) -> np.ndarray:
+    """``[K]`` positions of the cache rows a forward reads: up to the longest committed prefix among its rows
+    (at least one row, masked when nothing is committed), so attention grows with the context, not ``S``."""
+    return np.arange(max(1, int(lengths.max())), dtype=np.int64)
 
 
 class _Network:

@@ -153,6 +153,8 @@ class TensorRTBackend:
         self._positions = torch.zeros_like(self._tokens)
         self._context_positions = torch.zeros_like(self._tokens)
         self._lengths = torch.zeros(max_batch, dtype=torch.int64, device=device_)
+        # cache_positions: the first K rows of this arange are the live cache rows a forward reads (a view, no copy)
+        self._cache_rows = torch.arange(max_seq_len, dtype=torch.int64, device=device_)
         self._taps = torch.zeros(max_batch, max_seq_len, width, device=device_)
 
     def _load_plans(self, engine) -> tuple[Plan, Plan | None]:
@@ -197,6 +199,10 @@ class TensorRTBackend:
         view.copy_(host, non_blocking=True)
         return view
 
+    def _live_rows(self, lengths) -> Tensor:
+        """``[K]``: the cache rows a forward reads, up to the longest committed prefix of its rows (at least one)."""
+        return self._cache_rows[:max(1, max(lengths))]
+
     @torch.inference_mode()
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None;
@@ -213,6 +219,7 @@ class TensorRTBackend:
         keys, values = cache.bound([r.slot for r in rows])
         outputs = self._target.run({
             "tokens": self._stage(self._tokens, tokens), "positions": self._stage(self._positions, positions),
+            "cache_positions": self._live_rows(r.start for r in rows),
             "cache_lengths": self._stage(self._lengths, torch.tensor([r.start for r in rows])),
             "key_cache": keys, "value_cache": values})
         results = []
@@ -254,6 +261,7 @@ class TensorRTBackend:
         outputs = self._draft.run({
             "block": self._stage(self._tokens, block), "block_positions": self._stage(self._positions, block_positions),
             "taps": taps, "context_positions": self._stage(self._context_positions, context_positions),
+            "cache_positions": self._live_rows(r.start - r.taps.shape[0] for r in rows),
             "cache_lengths": self._stage(self._lengths, torch.tensor([r.start - r.taps.shape[0] for r in rows])),
             "key_cache": keys, "value_cache": values})
         results = []
