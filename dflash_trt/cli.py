@@ -189,7 +189,7 @@ _EXAMPLES_SERVE = """
 Examples:
   dflash-trt serve
   dflash-trt serve --port 8001 --speculation off
-  dflash-trt serve --engine engines/stories260K-ort --max-batch 16 --api-key "$KEY"
+  DFLASH_API_KEY=secret dflash-trt serve --engine engines/stories260K-ort --max-batch 16
   dflash-trt serve --target ./Qwen3-4B --draft ./Qwen3-4B-DFlash-b16 --host 0.0.0.0
 """
 
@@ -202,13 +202,14 @@ Examples:
               "embedded stories260K.")
 @click.option("--draft", type=click.Path(exists=True, path_type=Path), help="DFlash drafter folder.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 = every interface).")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True, help="TCP port (0 = any free one).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
 @click.option("--max-queue", type=int, default=64, show_default=True, help="Waiting requests beyond --max-batch; "
               "more get 429 with Retry-After.")
 @click.option("--speculation", type=click.Choice(["auto", "static", "off"]), default="auto", show_default=True,
               help="auto: cost-model draft lengths; static: always block_len - 1; off: plain decoding (A/B baseline).")
-@click.option("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 routes.")
+@click.option("--api-key", default=None, envvar="DFLASH_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 "
+              "routes (or set DFLASH_API_KEY: a flag shows in the process list).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: engine or target name).")
 @click.option("--chat-template", default=None, help="Jinja2 chat template file, or `plain` (default: the "
               "checkpoint's tokenizer_config.json, else plain).")
