@@ -9,6 +9,8 @@ Poisson arrival rate (exponential gaps, seeded). Every request streams ``/v1/com
   whole verified cycle, so ITL is per cycle, not per token); TPOT: ``(e2e - TTFT) / (tokens - 1)``;
   E2E: send -> ``[DONE]``; tokens: the server's ``usage.completion_tokens``.
 - Goodput: completed requests per second that met every latency goal given (``ttft``, ``tpot``, ``e2e`` in ms).
+- τ: when the server reports each request's ``spec_decoding`` object (``dflash-trt serve`` does), the mean
+  tokens committed per cycle over all of the endpoint's requests.
 
 The A/B: each cell (dataset, temperature, load) runs the same requests on every endpoint, the endpoint order
 alternating over ``repeats`` passes (A B, B A, ...), so drift on the machine falls on both. The baseline is the
@@ -68,6 +70,7 @@ class RequestTiming:
     output_tokens: int = 0
     text: str = ""
     error: str | None = None
+    acceptance_lengths: list[int] = field(default_factory=list)  # from the server's spec_decoding object, if any
 
     @property
     def ttft_s(self) -> float:
@@ -154,6 +157,8 @@ async def send(client: Any, url: str, body: dict[str, Any]) -> RequestTiming:
                     continue
                 if event.get("usage"):
                     timing.output_tokens = event["usage"]["completion_tokens"]
+                if isinstance(event.get("spec_decoding"), dict):
+                    timing.acceptance_lengths = list(event["spec_decoding"].get("acceptance_lengths", []))
                 for choice in event.get("choices", []):
                     if choice.get("text"):
                         timing.chunk_times_s.append(time.perf_counter() - began)
@@ -201,6 +206,9 @@ def summarize_load(timings: list[RequestTiming], wall_s: float, goals_ms: dict[s
         "tpot_s": distribution([t.tpot_s for t in done if t.output_tokens > 1]),
         "e2e_s": distribution([t.e2e_s for t in done]),
     }
+    lengths = [n for t in done for n in t.acceptance_lengths]
+    if lengths:  # the server reported its cycles: τ as the server counts it (the bonus token included)
+        out["mean_acceptance_length"] = sum(lengths) / len(lengths)
     if goals_ms:
         good = sum(t.meets(goals_ms) for t in timings)
         out["goodput"] = {"requests_per_s": good / wall_s if wall_s else 0.0, "fraction": good / len(timings)}

@@ -39,18 +39,19 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Speed-up is output tokens/s over the baseline's in the same cell; E2E p50 speed-up is the baseline's median "
         "end-to-end latency over this endpoint's (robust to a few stalled requests on a busy machine).",
         "",
-        "| dataset | T | load | endpoint | done | req/s | out tok/s | TTFT | ITL | TPOT | E2E | goodput req/s | "
+        "| dataset | T | load | endpoint | done | req/s | out tok/s | TTFT | ITL | TPOT | E2E | τ | goodput req/s | "
         "speed-up | E2E p50 speed-up | greedy = baseline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in report["cells"]:
         for label, m in cell["endpoints"].items():
             goodput = f"{m['goodput']['requests_per_s']:.2f}" if "goodput" in m else "–"
+            tau = f"{m['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in m else "–"
             lines.append(
                 f"| {cell['dataset']} | {cell['temperature']:g} | {cell['label']} | {label} | "
                 f"{m['completed']}/{m['requests']} | {m['request_throughput']:.2f} | {m['output_tokens_per_s']:,.0f} | "
                 f"{_triple(m['ttft_s'])} | {_triple(m['itl_s'])} | {_triple(m['tpot_s'])} | {_triple(m['e2e_s'])} | "
-                f"{goodput} | {m['speedup']:.2f}x | {m['speedup_e2e_p50']:.2f}x | "
+                f"{tau} | {goodput} | {m['speedup']:.2f}x | {m['speedup_e2e_p50']:.2f}x | "
                 f"{m.get('greedy_identical_to_baseline', '–')} |")
     errors = [(cell["label"], label, e) for cell in report["cells"] for label, m in cell["endpoints"].items()
               for e in m["errors"]]

@@ -35,6 +35,8 @@ def test_ab_of_two_live_servers_writes_the_three_report_files(tmp_path):
             assert measured["goodput"]["fraction"] == 1.0
         assert cell["endpoints"]["static"]["greedy_identical_to_baseline"] == "8/8"  # lossless across servers
         assert cell["endpoints"]["off"]["speedup"] == 1.0
+        assert cell["endpoints"]["off"]["mean_acceptance_length"] == 1.0  # plain decoding: one token per cycle
+        assert cell["endpoints"]["static"]["mean_acceptance_length"] > 1.0
     markdown = (out / "report.md").read_text()
     assert "| dataset | T | load | endpoint |" in markdown and "speculation static" in markdown
 
