@@ -45,7 +45,7 @@ def inspection(info: dict[str, Any]) -> None:
     _console.print(table)
 
 
-def demo(session, prompts: list[str], result, max_new_tokens: int) -> None:
+def demo(session, prompts: list[str], result, max_new_tokens: int, prompt_set: str) -> None:
     import platform
 
     import torch
@@ -61,6 +61,9 @@ def demo(session, prompts: list[str], result, max_new_tokens: int) -> None:
     _console.print(table)
     _console.print(
         f"speed-up {result.speedup:.2f}x  [dim](stories260K + embedded drafter, torch float32, "
-        f"{torch.get_num_threads()} threads on {platform.machine()} CPU, batch 1, greedy, {len(prompts)} prompts × "
-        f"{len(result.baseline) // len(prompts)} repeats, {max_new_tokens} new tokens, decode tok/s = 1/TPOT)[/dim]",
+        f"{torch.get_num_threads()} torch thread(s) on {platform.machine()} CPU (by model size; "
+        f"DFLASH_TORCH_THREADS overrides), batch 1, greedy, {len(prompts)} held-out `{prompt_set}` prompts "
+        f"(TinyStories-valid openings, not in the drafter's training data) × {len(result.baseline) // len(prompts)} "
+        f"repeats, {max_new_tokens} new tokens, decode tok/s = 1/TPOT, medians; other load on this machine "
+        "changes both columns)[/dim]",
         highlight=False)

@@ -172,16 +172,22 @@ Examples:
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Interleaved A/B repetitions.")
 def demo(max_new_tokens, repeats) -> None:
-    """Run the embedded pair: DFlash vs plain decoding on the same prompts, in one run."""
+    """Run the embedded pair: DFlash vs plain decoding on held-out prompts (story openings from TinyStories-valid,
+    which the drafter never trained on), in one interleaved run."""
     from dflash_trt.bench.ab import compare
+    from dflash_trt.bench.datasets import load_dataset
     from dflash_trt.config import SamplingParams
     from dflash_trt.runtime.session import Session
     from dflash_trt import _render
 
-    session = Session.from_checkpoints()
-    prompts = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were"]
-    result = compare(session, prompts, SamplingParams(max_new_tokens=max_new_tokens), repeats=repeats)
-    _render.demo(session, prompts, result, max_new_tokens)
+    prompts = [prompt.text for prompt in load_dataset(_DEMO_PROMPT_SET).prompts[:_DEMO_PROMPTS]]
+    with Session.from_checkpoints() as session:
+        result = compare(session, prompts, SamplingParams(max_new_tokens=max_new_tokens), repeats=repeats)
+        _render.demo(session, prompts, result, max_new_tokens, _DEMO_PROMPT_SET)
+
+
+_DEMO_PROMPT_SET = "tinystories"  # first sentences of TinyStories-valid stories: held out from drafter training
+_DEMO_PROMPTS = 6
 
 
 _EXAMPLES_SERVE = """

@@ -15,6 +15,7 @@ from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
+from dflash_trt.plugins.torch_ref.threads import use_intra_op_threads
 
 
 class TorchBackend:
@@ -32,6 +33,8 @@ class TorchBackend:
         self.outputs_device = str(self.device)  # logits and taps stay where the model runs
         self.target_cache = pair.target.new_cache(max_batch, max_seq_len)
         self.draft_cache = pair.draft.new_cache(max_batch, max_seq_len) if pair.draft is not None else None
+        if self.device.type == "cpu":  # by model size, DFLASH_TORCH_THREADS overrides (plugins/torch_ref/threads.py)
+            use_intra_op_threads(self.target_config.hidden_size)
 
     # ----------------------------------------------------------------- batch-1 (slot 0)
 
