@@ -74,7 +74,9 @@ class Session:
     """A loaded pair, its backend and static caches, and a worker that batches concurrent requests.
 
     Thread-safe: ``submit``/``generate``/``stream`` from any thread (or ``agenerate``/``astream`` from
-    asyncio); up to ``max_batch`` requests share each forward, the rest wait in a queue.
+    asyncio); up to ``max_batch`` requests share each forward, the rest wait in a queue. ``close()`` (or a
+    ``with`` block) stops the worker thread and waits for it; a session dropped without it stops its worker when
+    collected, and one still open at interpreter exit is closed then, its requests cancelled.
     """
 
     def __init__(self, pair: ModelPair, *, backend: str = "torch", max_seq_len: int | None = None,
