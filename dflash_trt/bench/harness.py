@@ -156,21 +156,22 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
         if peers and concurrency == 1 and temperature == 0 and block_len == block_lens[0]:
             runners |= {name: make(block_len) for name, make in peers.items()}
         cell = CellResult(prompt_set.name, temperature, block_len, concurrency, prompts=prompts, skipped=skipped)
+        mark = session.costs.mark()
         run_cell(runners, requests, concurrency, cell, config.repeats)
-        cell.costs = _step_costs(session, concurrency, block_len)
+        cell.costs = _step_costs(session, concurrency, block_len, mark)
         results.append(cell)
         if progress is not None:
             progress(cell.key(), done + 1, len(cells))
     return results
 
 
-def _step_costs(session: Session, concurrency: int, block_len: int) -> StepCosts | None:
-    """The session's cost estimates (median of the last forwards of each kind, ``runtime/costs.py``) at this
-    concurrency, read right after the cell, so they are this cell's forwards. None without drafting."""
+def _step_costs(session: Session, concurrency: int, block_len: int, mark: dict) -> StepCosts | None:
+    """This cell's forward costs at its concurrency: the median of every forward of each kind the session
+    measured during the cell (``runtime/costs.py``; warm-up wave included). None without drafting."""
     if block_len < 2:
         return None
     try:
-        return session.costs.breakdown(concurrency, block_len - 1)
+        return session.costs.breakdown(concurrency, block_len - 1, since=mark)
     except LookupError:  # no draft forward ran (every request finished at prefill)
         return None
 

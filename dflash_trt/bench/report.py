@@ -55,6 +55,7 @@ def conditions(session, config: BenchConfig, prompt_sets: list[PromptSet], notes
         "target": str(pair.target_path), "draft": str(pair.draft_path) if pair.draft_path else None,
         "target_family": pair.target.config.family,
         "backend": getattr(session.backend, "name", type(session.backend).__name__),
+        "execution": getattr(session.backend, "execution", None),  # torch: eager or the compiler of its forwards
         "dtype": str(pair.target.embed_tokens.weight.dtype).removeprefix("torch."),
         "engine_manifest_sha256": getattr(session, "manifest_sha256", None),
         "hardware": {"machine": platform.machine(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
@@ -115,7 +116,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "# dflash_trt benchmark report", "",
         f"- command: `{conds['command']}`",
         f"- target: `{conds['target']}` ({conds['target_family']}), drafter: `{conds['draft']}`",
-        f"- backend: {conds['backend']}, dtype {conds['dtype']}; machine: {hw['cpu']} ({hw['machine']}, "
+        f"- backend: {conds['backend']}"
+        + (f" ({conds['execution']} forwards)" if conds["execution"] else "")
+        + f", dtype {conds['dtype']}; machine: {hw['cpu']} ({hw['machine']}, "
         f"{hw['cpu_count']} cores, torch threads {hw['torch_threads']}), GPU: {hw['gpu'] or 'none'}",
         f"- packages: " + ", ".join(f"{k} {v}" for k, v in conds["packages"].items()),
         f"- max_new_tokens {conds['config']['max_new_tokens']}, {conds['config']['num_prompts']} prompts per "
@@ -164,8 +167,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     costed = [cell for cell in report["cells"] if "forward_costs" in cell]
     if costed:
         lines += ["", "## Where the time goes (DFlash, static block length)", "",
-                  "Forward costs the runtime measured during the cell (median of its last forwards of each kind, at "
-                  "the cell's concurrency, `Session.costs`): a plain step is a 1-token verify plus its other work "
+                  "Forward costs the runtime measured during the cell (`Session.costs`: the median of every forward "
+                  "of each kind at the cell's concurrency): a plain step is a 1-token verify plus its other work "
                   "(sampling, bookkeeping); a cycle is a draft and a verify of k+1 tokens plus its other work. "
                   "Ideal speed-up = τ × plain step ÷ cycle, what these costs allow; the measured one also pays "
                   "prefill, the batch shrinking at the end of each wave, and scheduling.", "",

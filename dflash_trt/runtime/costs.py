@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 _WINDOW = 9
 """Measurements per point the estimate is the median of."""
+_HISTORY = 4096
+"""Measurements per point kept for reports (:meth:`CostModel.breakdown` over a span of traffic)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class CostModel:
         # grows with the batch, so one number for all sizes would misprice batch 1 and batch 64 alike)
         self.overheads: dict[bool, dict[int, float]] = {False: {}, True: {}}
         self._samples: dict[tuple, deque[float]] = {}
+        self._history: dict[tuple, deque[float]] = {}  # longer record per point, for reports only
+        self._counts: dict[tuple, int] = {}  # measurements ever recorded per point (marks index into history)
         # lookups run several times per scheduler step, so what they search is kept sorted and small:
         self._layout: dict[str, tuple[list[int], dict[int, list[int]]] | None] = {"verify": None, "draft": None}
         self._anchors: dict[str, list[tuple[int, int]]] = {"verify": [], "draft": []}  # the calibration grid
@@ -73,6 +77,8 @@ class CostModel:
 
     def _update(self, table: dict, sample_key: tuple, key, seconds: float) -> None:
         samples = self._samples.setdefault(sample_key, deque(maxlen=_WINDOW))
+        self._history.setdefault(sample_key, deque(maxlen=_HISTORY)).append(seconds)
+        self._counts[sample_key] = self._counts.get(sample_key, 0) + 1
         samples.append(seconds)
         table[key] = statistics.median(samples)
 
@@ -98,12 +104,30 @@ class CostModel:
         return (self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1 + context)
                 + self.overhead(True, batch))
 
-    def breakdown(self, batch: int, draft_len: int) -> StepCosts:
-        """The current estimates of a plain step and of a ``draft_len`` cycle at ``batch`` rows (every row
-        drafting), for reports; raises ``LookupError`` until verify and draft forwards were measured."""
-        return StepCosts(batch, draft_len, self.verify(batch, 1), self.overhead(False, batch),
-                         self.verify(batch, draft_len + 1), self.draft(batch, draft_len + 1),
-                         self.overhead(True, batch))
+    def mark(self) -> dict[tuple, int]:
+        """A point in the traffic: :meth:`breakdown` ``since`` it prices only forwards measured after it."""
+        return dict(self._counts)
+
+    def breakdown(self, batch: int, draft_len: int, since: dict[tuple, int] | None = None) -> StepCosts:
+        """A plain step and a ``draft_len`` cycle at ``batch`` rows (every row drafting), for reports.
+
+        ``since`` (a :meth:`mark`): each part is the median of that point's measurements after the mark (up to
+        the last few thousand), where there are any; otherwise, and without ``since``, the current estimate.
+        Raises ``LookupError`` until verify and draft forwards were measured."""
+        def part(sample_key: tuple, estimate) -> float:
+            if since is not None:
+                fresh = self._counts.get(sample_key, 0) - since.get(sample_key, 0)
+                history = list(self._history.get(sample_key, ()))[-fresh:] if fresh > 0 else []
+                if history:
+                    return statistics.median(history)
+            return estimate()
+
+        width = draft_len + 1
+        return StepCosts(batch, draft_len, part(("verify", batch, 1), lambda: self.verify(batch, 1)),
+                         part(("overhead", False, batch), lambda: self.overhead(False, batch)),
+                         part(("verify", batch, width), lambda: self.verify(batch, width)),
+                         part(("draft", batch, width), lambda: self.draft(batch, width)),
+                         part(("overhead", True, batch), lambda: self.overhead(True, batch)))
 
     def record(self, kind: str, batch: int, width: int, seconds: float, anchor: bool = False) -> None:
         """One measured forward. ``anchor``: a calibration grid point, one the monotone envelope checks."""

@@ -78,3 +78,15 @@ def test_breakdown_splits_a_plain_step_and_a_cycle_and_prices_the_speedup_they_i
     assert step.to_dict()["cycle_s"] == step.cycle
     with pytest.raises(LookupError):
         CostModel().breakdown(1, 15)
+
+
+def test_breakdown_since_a_mark_prices_only_the_forwards_measured_after_it():
+    costs = grid()
+    for seconds in (1.0, 1.0, 1.0):
+        costs.record("verify", 4, 16, seconds)
+    mark = costs.mark()
+    for seconds in (2e-3, 3e-3, 9.0):  # one stalled step among them
+        costs.record("verify", 4, 16, seconds)
+    step = costs.breakdown(4, 15, since=mark)
+    assert step.verify == pytest.approx(3e-3)  # the median of the three after the mark
+    assert step.draft == costs.draft(4, 16)  # nothing measured since: the estimate
