@@ -147,7 +147,7 @@ class TensorRTBackend:
         if self.draft_config is not None and self._draft is not None:
             d = self.draft_config
             self._draft_cache = _SlotCache(max_batch, d.num_layers, d.num_kv_heads, max_seq_len, d.head_dim, device_)
-        width = d.num_taps * t.hidden_size if self.draft_config is not None else 1
+        width = max(1, self._tap_width())  # [L*H] of the drafter's context features
         # inputs, assembled on the host each step and copied in (one small host-to-device copy per input)
         self._tokens = torch.zeros(max_batch, max_seq_len, dtype=torch.int64, device=device_)
         self._positions = torch.zeros_like(self._tokens)

@@ -69,6 +69,25 @@ def test_declares_its_device_dtype_and_batch(engine, pair):
     assert backend.name == "tensorrt" and backend.draft_config == pair.draft.config
 
 
+def test_the_backend_makes_no_device_to_host_copy():
+    """Logits, taps and drafts stay on the declared device: the runtime's acceptance readback is the step's one
+    host transfer. No call that reads a tensor back to the host appears in the backend."""
+    import inspect
+    import re
+
+    from dflash_trt.plugins.tensorrt import backend as module
+
+    assert not re.findall(r"\.(cpu|item|tolist|numpy)\(|synchronize\(", inspect.getsource(module))
+
+
+def test_a_target_only_backend_needs_no_drafter_plan(engine, pair):
+    plans = (OrtPlan(engine / "onnx" / "target.onnx"), None)
+    backend = TensorRTBackend(pair, None, 64, 1, plans=plans, device="cpu")
+    backend.reset_slot(0)
+    (logits, taps), = backend.target_batch([TargetRow(0, [1, 403, 407], 0, last_only=True)], with_taps=False)
+    assert logits.shape == (1, pair.target.config.vocab_size) and taps is None
+
+
 def _same(a, b) -> bool:
     return a is None and b is None or torch.equal(a, b)
 
