@@ -126,3 +126,20 @@ def test_build_plugin_makes_a_library_with_no_libnvinfer_dependency(tmp_path, to
 def test_cuda_build_pins_match_the_extra():
     extras = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert tuple(extras["cuda-build"]) == build_plugin.CUDA_BUILD_WHEELS
+
+
+@needs_headers
+def test_the_build_command_uses_the_cuda_build_wheels_an_interpreter_imports(tmp_path, toolkit):
+    """`python -m ...build_plugin` with the cuda-build wheels importable (here: the pinned wheels' install folder on
+    PYTHONPATH), no CUDA_HOME and no nvcc on PATH, builds the library."""
+    if (toolkit.root.parent.name, toolkit.root.name) != ("nvidia", "cu13"):
+        pytest.skip(f"the CUDA toolkit in use ({toolkit.root}) is not the cuda-build wheels")
+    wheels_root = toolkit.root.parents[1]  # <root>/nvidia/cu13
+    include = header_sets(DEFAULT_HEADERS)[-1][1]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPOSITORY}:{wheels_root}", "HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "dflash_trt.plugins.tensorrt.build_plugin", str(tmp_path / "lib"),
+                             "--arch", "90", "--tensorrt-include", str(include)], capture_output=True, text=True,
+                            env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()) == tmp_path / "lib" / build_plugin.LIBRARY_NAME
+    assert (tmp_path / "lib" / build_plugin.LIBRARY_NAME).stat().st_size > 0
