@@ -1,0 +1,98 @@
+"""A Triton model exported from an ONNX Runtime engine batches, on a REAL tritonserver (127.0.0.1).
+
+Concurrent requests are grouped by Triton's dynamic batcher into fewer model executions than requests, and
+inside an execution they share the engine's batched forwards; every answer still equals plain greedy
+decoding. The exporter refuses to advertise a ``max_batch_size`` the engine was not built for.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_trt.cli import main
+from dflash_trt.config import SamplingParams
+from dflash_trt.errors import ServingError
+
+from .conftest import READY_TIMEOUT_S, free_port, need_pytriton
+
+pytest.importorskip("onnxruntime")
+
+MODEL = "dflash_ort_engine"
+ENGINE_BATCH = 8
+PROMPTS = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were", "The sun was",
+           "Tom had a red ball", "Max the dog liked to", "It was a cold day", "Sue saw a bird"]
+
+
+@pytest.fixture(scope="module")
+def ort_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ort-engines") / "stories260K-ort"
+    result = CliRunner().invoke(main, ["build", "--backend", "onnxruntime", "--max-batch-size", str(ENGINE_BATCH),
+                                       "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(ort_engine: Path, tmp_path_factory: pytest.TempPathFactory):
+    need_pytriton()
+    from dflash_trt.serving.triton_server import TritonServer
+
+    repo = tmp_path_factory.mktemp("ort-repo")
+    result = CliRunner().invoke(main, ["triton", "export", "--engine", str(ort_engine), "--repo", str(repo),
+                                       "--name", MODEL, "--max-batch-size", str(ENGINE_BATCH)])
+    assert result.exit_code == 0, result.output
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          log_path=tmp_path_factory.mktemp("ort-log") / "tritonserver.log",
+                          env={"OMP_NUM_THREADS": "1"})
+    try:
+        server.start()
+        server.wait_ready(READY_TIMEOUT_S)
+        yield server
+    finally:
+        server.stop()
+
+
+def _post(url: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def _model_stats(server) -> dict:
+    stats = _post(f"{server.http_url}/v2/models/{MODEL}/stats")
+    return stats["model_stats"][0]
+
+
+def test_concurrent_requests_share_model_executions_and_equal_plain_decoding(server, ort_engine):
+    from dflash_trt.runtime.session import Session
+
+    before = _model_stats(server)
+    url = f"{server.http_url}/v2/models/{MODEL}/generate"
+    with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda prompt: _post(url, {"text_input": prompt, "max_tokens": 48}), PROMPTS))
+    after = _model_stats(server)
+    requests = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert requests == len(PROMPTS)
+    assert 1 <= executions < requests  # Triton handed several requests to one execute(): they shared forwards
+    with Session.load(ort_engine, "torch") as plain:
+        for prompt, answer in zip(PROMPTS, answers):
+            expected = plain.generate(prompt, SamplingParams(max_new_tokens=48, block_len=1))
+            assert answer["text_output"] == expected.text
+
+
+def test_export_refuses_a_batch_size_the_engine_was_not_built_for(ort_engine, tmp_path):
+    result = CliRunner().invoke(main, ["triton", "export", "--engine", str(ort_engine), "--repo", str(tmp_path),
+                                       "--max-batch-size", str(2 * ENGINE_BATCH)])
+    assert isinstance(result.exception, ServingError)  # the console entry turns it into one line, exit 2
+    message = str(result.exception)
+    assert f"--max-batch-size is {2 * ENGINE_BATCH}" in message
+    assert f"--max-batch-size {ENGINE_BATCH} or less" in message  # the fix names the engine's limit
+    assert not (tmp_path / "dflash").exists()
