@@ -33,6 +33,22 @@ settings.register_profile(
 settings.load_profile(os.environ.get("DFLASH_HYPOTHESIS_PROFILE", "dflash"))
 
 
+@pytest.fixture(scope="module", params=["eager", "static"])
+def torch_execution(request: pytest.FixtureRequest):
+    """Runs a module twice: with the torch backend's eager forwards, and with the static-shape forwards its
+    compiled path captures (``plugins/torch_ref/graphs.py``: bucketed widths, in-place slot writes, whole-buffer
+    masks), uncompiled so that no test pays compile time. Every session built meanwhile uses that path
+    (``Zoo.session`` keys its sessions by it); ``tests/plugins/torch_ref/test_graphs.py`` holds inductor's
+    graphs to the same outputs."""
+    previous = os.environ.get("DFLASH_TORCH_COMPILE")
+    os.environ["DFLASH_TORCH_COMPILE"] = "0" if request.param == "eager" else "static"
+    yield request.param
+    if previous is None:
+        os.environ.pop("DFLASH_TORCH_COMPILE")
+    else:
+        os.environ["DFLASH_TORCH_COMPILE"] = previous
+
+
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
     return Zoo(tmp_path_factory.mktemp("zoo"))

@@ -19,6 +19,8 @@ from tiny_models import PROMPT_VOCAB, DraftSpec, TargetSpec, Zoo, training_promp
 
 from dflash_trt.config import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("torch_execution")  # eager and the static-shape (compiled) forwards
+
 ATOL = 1e-5  # float32 draft logits of two implementations of the same network
 
 dflash_model = pytest.importorskip("dflash.model", reason="the reference implementation dflash 0.1.0 is not installed")
@@ -152,14 +154,14 @@ def ours(zoo: Zoo, case: Case, prompt: list[int], stop: tuple[int, ...], monkeyp
     """Our greedy run over the same pair: (new ids, acceptance lengths, per-cycle draft logits)."""
     session = zoo.session(case.target, case.draft)
     draft_logits: list[torch.Tensor] = []
-    draft = session.backend.draft
+    draft_batch = session.backend.draft_batch
 
-    def recording(block, taps, start):
-        logits = draft(block, taps, start)  # [Bc-1, V]: block slots 1..Bc-1
-        draft_logits.append(logits.clone())
-        return logits
+    def recording(rows):
+        outputs = draft_batch(rows)  # per row [Bc-1, V]: block slots 1..Bc-1
+        draft_logits.extend(logits.clone() for logits in outputs)
+        return outputs
 
-    monkeypatch.setattr(session.backend, "draft", recording)
+    monkeypatch.setattr(session.backend, "draft_batch", recording)
     params = SamplingParams(max_new_tokens=case.max_new_tokens, block_len=block_len or case.block_len,
                             stop_token_ids=stop)
     result = session.generate(prompt, params)

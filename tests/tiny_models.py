@@ -17,6 +17,7 @@ Everything is keyed by its spec, so a hypothesis test can draw from a pool of mo
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -220,7 +221,7 @@ class Zoo:
         """A ``Session`` over the pair (``draft=None``: target only, plain decoding)."""
         from dflash_trt.runtime.session import Session
 
-        key = (target, draft)
+        key = (target, draft, os.environ.get("DFLASH_TORCH_COMPILE"))  # the torch backend's forward path
         if key not in self._sessions:
             draft_path = self.drafter(target, draft) if draft is not None else None
             self._sessions[key] = Session.from_checkpoints(self.target(target), draft_path)

@@ -9,6 +9,8 @@ table stays a plain prefix strip.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
@@ -16,6 +18,13 @@ from dflash_trt.config import TargetConfig
 from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
 from dflash_trt.model.layouts import TargetLayout
 from dflash_trt.model.kv_cache import StaticKVCache
+
+
+class KVStore(Protocol):
+    """Where a target layer puts its new K/V and finds the keys it attends over (``StaticKVCache`` at rest)."""
+
+    def write(self, layer: int, start: int | TargetLayout | None, keys: Tensor, values: Tensor,
+              positions: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
 
 
 class TargetAttention(nn.Module):
@@ -30,8 +39,8 @@ class TargetAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, layer: int,
-                start: int | TargetLayout, mask: Tensor | None, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVStore, layer: int,
+                start: int | TargetLayout | None, mask: Tensor | None, positions: Tensor | None = None) -> Tensor:
         """Shapes: x ``[B, T, H]``; cos/sin ``[B, 1, T, d]``; mask ``[B, 1, T, start+T]``. Returns ``[B, T, H]``."""
         batch, tokens, _ = x.shape
         q = self.q_proj(x).view(batch, tokens, self.num_heads, self.head_dim)
@@ -53,8 +62,8 @@ class TargetLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, layer: int,
-                start: int | TargetLayout, mask: Tensor | None, positions: Tensor | None) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, cache: KVStore, layer: int,
+                start: int | TargetLayout | None, mask: Tensor | None, positions: Tensor | None) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, mask, positions)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -106,18 +115,31 @@ class TargetModel(nn.Module):
             # a query at position p sees keys 0..p; padding queries (pad position) see everything
             keys = torch.arange(start.key_len, device=tokens.device)
             mask = (keys.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
-        h = self.embed_tokens(tokens)
-        cos, sin = self.rotary.lookup(positions, h.dtype)
-        taps: dict[int, Tensor] = {}
-        for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, index, start, mask, write_positions)
-            if index in tap_ids:
-                # hidden_states[N] in transformers (what the reference reads for id N-1) is final-normed
-                taps[index] = self.norm(h) if index == len(self.layers) - 1 else h
+        logits, taps = self.run_layers(tokens, positions, cache, start, mask, write_positions, tap_ids, last_only)
         if isinstance(start, int):
             cache.commit(start + tokens_len, batch)
         else:
             cache.commit_rows(start.slots, tuple(s + n for s, n in zip(start.starts, start.lengths)))
+        return logits, taps
+
+    def run_layers(self, tokens: Tensor, positions: Tensor, cache: KVStore, where: int | TargetLayout | None,
+                   mask: Tensor | None, write_positions: Tensor | None, tap_ids: tuple[int, ...] = (),
+                   last_only: bool = False) -> tuple[Tensor, Tensor | None]:
+        """The network proper, with no cache bookkeeping: a pure function of tensors when ``cache.write`` is one
+        (what the torch backend's compiled forwards capture, ``plugins/torch_ref/graphs.py``).
+
+        Each layer hands ``cache.write(layer, where, k, v, write_positions)`` its new K/V and attends over the
+        keys it returns under ``mask``. Shapes: tokens/positions ``[B, T]``; mask ``[B|1, 1, T, S]`` or None
+        -> logits ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``), taps ``[B, T, L*H]`` or None.
+        """
+        h = self.embed_tokens(tokens)
+        cos, sin = self.rotary.lookup(positions, h.dtype)
+        taps: dict[int, Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, index, where, mask, write_positions)
+            if index in tap_ids:
+                # hidden_states[N] in transformers (what the reference reads for id N-1) is final-normed
+                taps[index] = self.norm(h) if index == len(self.layers) - 1 else h
         if last_only:
             h = h[:, -1:]
         logits = self.lm_head(self.norm(h))

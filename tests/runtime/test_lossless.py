@@ -15,6 +15,8 @@ from tiny_models import PROMPT_VOCAB, DraftSpec, TargetSpec, training_prompts
 
 from dflash_trt.config import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("torch_execution")  # eager and the static-shape (compiled) forwards
+
 QWEN3 = TargetSpec(family="qwen3")
 LLAMA = TargetSpec(family="llama", seed=1, num_layers=5)
 TIED = TargetSpec(family="qwen3", seed=2, num_layers=4, tied=True)

@@ -178,7 +178,7 @@ CONTROL_TRIALS_B = 400
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
+def tiny_pair(tmp_path_factory, torch_execution):
     """A vocab-8 Qwen3 target (transformers, saved with ``save_pretrained``) and an informative drafter.
 
     The drafter's ``DraftConfig`` is copied from the loaded target's config (dflash.md §2.2). Its layer

@@ -3,9 +3,15 @@
 The drafter borrows the target's embedding (× ``input_embedding_scale``) and LM head (dflash.md §2.8).
 Rows of several requests share one forward (``target_batch``/``draft_batch``); a single request in
 slot 0 takes the batch-1 methods, so a request alone runs exactly as it always has.
+
+Execution is eager or compiled (``plugins/torch_ref/graphs.py``: ``torch.compile`` over static, bucketed
+shapes). ``DFLASH_TORCH_COMPILE`` picks it: ``0`` (eager), ``inductor`` or ``static`` (the compiled path's shapes,
+uncompiled); unset means :data:`DEFAULT_COMPILER`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -15,13 +21,32 @@ from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
+from dflash_trt.plugins.torch_ref.graphs import COMPILERS, MAX_BUCKET_WIDTH, CompiledForwards, bucket
 from dflash_trt.plugins.torch_ref.threads import use_intra_op_threads
+
+DEFAULT_COMPILER: str | None = None
+"""Compiler of a backend when ``DFLASH_TORCH_COMPILE`` is unset (None: eager)."""
+
+
+def compiler_from_env() -> str | None:
+    """``DFLASH_TORCH_COMPILE``: ``0``/``eager`` -> None, one of ``COMPILERS`` -> that one."""
+    value = os.environ.get("DFLASH_TORCH_COMPILE")
+    if value is None:
+        return DEFAULT_COMPILER
+    if value in ("0", "eager", ""):
+        return None
+    if value not in COMPILERS:
+        from dflash_trt.errors import ConfigError
+
+        raise ConfigError(f"DFLASH_TORCH_COMPILE is {value!r}; expected 0, eager, {', '.join(COMPILERS)}. Fix: "
+                          "unset it or pass one of those.")
+    return value
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, pair: ModelPair, max_seq_len: int, max_batch: int = 1) -> None:
+    def __init__(self, pair: ModelPair, max_seq_len: int, max_batch: int = 1, compiler: str | None = "env") -> None:
         self.target_model = pair.target
         self.draft_model = pair.draft
         self.target_config: TargetConfig = pair.target.config
@@ -35,6 +60,13 @@ class TorchBackend:
         self.draft_cache = pair.draft.new_cache(max_batch, max_seq_len) if pair.draft is not None else None
         if self.device.type == "cpu":  # by model size, DFLASH_TORCH_THREADS overrides (plugins/torch_ref/threads.py)
             use_intra_op_threads(self.target_config.hidden_size)
+        compiler = compiler_from_env() if compiler == "env" else compiler
+        self.graphs = CompiledForwards(compiler) if compiler is not None and self.device.type == "cpu" else None
+
+    @property
+    def execution(self) -> str:
+        """``eager``, or how the static-shape forwards run (``inductor``, ``static``)."""
+        return self.graphs.compiler if self.graphs is not None and self.graphs.enabled else "eager"
 
     # ----------------------------------------------------------------- batch-1 (slot 0)
 
@@ -72,6 +104,11 @@ class TorchBackend:
 
     @torch.inference_mode()
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
+        width = max(len(r.tokens) for r in rows)
+        if self.graphs is not None and self.graphs.enabled and width <= MAX_BUCKET_WIDTH:
+            compiled = self._target_compiled(rows, with_taps, bucket(len(rows)), bucket(width))
+            if compiled is not None:
+                return compiled
         if len(rows) == 1 and rows[0].slot == 0:
             return [self.target(torch.tensor([rows[0].tokens], device=self.device), rows[0].start, with_taps,
                                 rows[0].last_only)]
@@ -87,6 +124,14 @@ class TorchBackend:
 
     @torch.inference_mode()
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
+        context = max(r.taps.shape[0] for r in rows)
+        width = max(len(r.block) for r in rows)
+        if self.graphs is not None and self.graphs.enabled and max(context, width) <= MAX_BUCKET_WIDTH:
+            # one context width for every draft: the context of a cycle varies (1 .. accepted), and each width
+            # would be a graph of its own
+            compiled = self._draft_compiled(rows, bucket(len(rows)), bucket(width), MAX_BUCKET_WIDTH)
+            if compiled is not None:
+                return compiled
         if len(rows) == 1 and rows[0].slot == 0:
             return [self.draft(torch.tensor([rows[0].block], device=self.device), rows[0].taps, rows[0].start)]
         layout = DraftLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
@@ -106,3 +151,54 @@ class TorchBackend:
 
     def _block_embeds(self, block: Tensor) -> Tensor:
         return F.embedding(block, self.target_model.embed_tokens.weight) * self.draft_config.input_embedding_scale
+
+    # ----------------------------------------------------------------- compiled (static, bucketed shapes)
+
+    def _target_compiled(self, rows: list[TargetRow], with_taps: bool, batch: int, width: int
+                         ) -> list[tuple[Tensor, Tensor | None]] | None:
+        cache = self.target_cache
+        cache.check_rows(tuple(r.slot for r in rows), tuple(r.start for r in rows),
+                         tuple(r.start + len(r.tokens) for r in rows))
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.full((batch, width), cache.pad_position, dtype=torch.long)
+        slots = torch.full((batch,), rows[0].slot, dtype=torch.long)  # padding rows: pad position of a used slot
+        for index, row in enumerate(rows):
+            tokens[index, :len(row.tokens)] = torch.tensor(row.tokens)
+            positions[index, :len(row.tokens)] = torch.arange(row.start, row.start + len(row.tokens))
+            slots[index] = row.slot
+        tap_ids = self.tap_ids if with_taps else ()
+        out = self.graphs.run("target", (batch, width, with_taps), self.target_model, tokens, positions, slots,
+                              cache.keys, cache.values, tap_ids)
+        if out is None:  # compilation failed: the caller runs the eager forward
+            return None
+        logits, taps = out
+        cache.commit_rows(tuple(r.slot for r in rows), tuple(r.start + len(r.tokens) for r in rows))
+        return [(logits[i, len(r.tokens) - 1:len(r.tokens)] if r.last_only else logits[i, :len(r.tokens)],
+                 taps[i, :len(r.tokens)] if taps is not None else None) for i, r in enumerate(rows)]
+
+    def _draft_compiled(self, rows: list[DraftRow], batch: int, width: int, context: int) -> list[Tensor] | None:
+        cache, pad = self.draft_cache, self.draft_cache.pad_position
+        cache.check_rows(tuple(r.slot for r in rows), tuple(r.start - r.taps.shape[0] for r in rows),
+                         tuple(r.start + len(r.block) for r in rows))
+        blocks = torch.zeros(batch, width, dtype=torch.long)
+        taps = torch.zeros(batch, context, rows[0].taps.shape[-1], dtype=self.dtype)
+        positions = torch.full((batch, context + width), pad, dtype=torch.long)
+        limits = torch.zeros(batch, dtype=torch.long)
+        slots = torch.full((batch,), rows[0].slot, dtype=torch.long)
+        for index, row in enumerate(rows):
+            length, ctx = len(row.block), row.taps.shape[0]
+            blocks[index, :length] = torch.tensor(row.block)
+            if ctx:
+                taps[index, context - ctx:] = row.taps  # right-aligned context, as in DraftLayout
+            positions[index, context - ctx:context + length] = torch.arange(row.start - ctx, row.start + length)
+            limits[index] = row.start + length
+            slots[index] = row.slot
+        model, target = self.draft_model, self.target_model
+        logits = self.graphs.run("draft", (batch, width, context), model, target.embed_tokens.weight,
+                                 target.lm_head.weight, blocks, taps, positions, limits, slots, cache.keys,
+                                 cache.values)
+        if logits is None:
+            return None
+        # the context rows stay; block K/V never survive a cycle (dflash.md §3.5)
+        cache.commit_rows(tuple(r.slot for r in rows), tuple(r.start for r in rows))
+        return [logits[i, :len(r.block) - 1] for i, r in enumerate(rows)]
