@@ -56,8 +56,9 @@ def header_sets(headers: Path) -> list[tuple[str, Path]]:
     """``(version, include folder)`` for every ``<version>/include/NvInferRuntime.h`` under ``headers``."""
     if not headers.is_dir():
         raise PluginCheckError(f"TensorRT headers folder {headers} does not exist; expected the vendored public "
-                               "headers (<version>/include/NvInferRuntime.h). Fix: clone the shared folder beside the "
-                               "repository, or pass --headers DIR (TENSORRT_HEADERS in make).")
+                               "headers (<version>/include/NvInferRuntime.h). Fix: put TensorRT's public headers there "
+                               "(10.x/11.x include/ folders), or pass --headers DIR (make plugin-check "
+                               "TENSORRT_HEADERS=DIR).")
     found = sorted((d.name, d / "include") for d in headers.iterdir() if (d / "include" / "NvInferRuntime.h").is_file())
     if not found:
         raise PluginCheckError(f"{headers} holds no <version>/include/NvInferRuntime.h; expected e.g. "
