@@ -3,8 +3,9 @@
 The drafter must predict what the *target* will say, so the target generates the training
 sequences itself, in its own vocabulary. Prompts of equal length are generated together in one
 batch with the target's static KV cache; each sequence ends at the first stop token (kept),
-exactly where the serving loop would stop. Generation is split into chunks of rows, each with its own
-seeded generator, so ranks can share the work and still produce the single-process corpus.
+exactly where the serving loop would stop. Continuations are generated in chunks of rows, each chunk
+with its own seeded generator (greedy chunks draw nothing), so ranks can share the work and still
+produce the single-process corpus.
 """
 
 from __future__ import annotations
@@ -104,33 +105,21 @@ def self_distill_sequences(target: TargetModel, prompts: list[list[int]], *, max
     return [found[i] for i in range(len(prompts))]
 
 
-def opening_chunks(count: int, min_tokens: int, max_tokens: int) -> list[tuple[int, int, int]]:
-    """Chunks of :func:`sample_openings` as ``(first, rows, length)``: openings ``first .. first+rows-1`` have
-    ``length`` sampled tokens; lengths cycle through ``min_tokens .. max_tokens`` and are grouped, shortest first."""
-    lengths = [min_tokens + i % (max_tokens - min_tokens + 1) for i in range(count)]
-    chunks, first = [], 0
-    for length in sorted(set(lengths)):
-        rows = lengths.count(length)
-        for start in range(0, rows, _BATCH_ROWS):
-            size = min(_BATCH_ROWS, rows - start)
-            chunks.append((first, size, length))
-            first += size
-    return chunks
-
-
 def sample_openings(target: TargetModel, count: int, min_tokens: int, max_tokens: int, temperature: float,
-                    top_p: float, seed: int, rank: int = 0, world_size: int = 1) -> dict[int, list[int]]:
-    """Story openings by index: BOS followed by ``k`` tokens sampled from the target, ``k`` cycling through
-    ``min_tokens .. max_tokens`` so every length is equally represented. Deterministic for a given seed;
-    this rank makes chunks ``c`` with ``c % world_size == rank`` (all of them by default)."""
+                    top_p: float, seed: int) -> list[list[int]]:
+    """``count`` story openings: BOS followed by ``k`` tokens sampled from the target, ``k`` cycling through
+    ``min_tokens .. max_tokens`` so every length is equally represented. Deterministic for a given seed.
+
+    One generator runs through all of them, so every rank of a sharded run makes them all (they are short:
+    a few percent of the corpus's generation time) and the openings stay those of earlier versions."""
     bos = target.config.bos_token_id
     assert bos is not None, "caller checks that the target has a BOS token"
-    openings: dict[int, list[int]] = {}
-    for number, (first, rows, length) in enumerate(opening_chunks(count, min_tokens, max_tokens)):
-        if number % world_size != rank:
-            continue
-        generator = torch.Generator().manual_seed(chunk_seed(seed, number))
-        batch = torch.full((rows, 1), bos, dtype=torch.long)
-        for offset, ids in enumerate(generate_batch(target, batch, length, temperature, top_p, generator).tolist()):
-            openings[first + offset] = ids
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [min_tokens + i % (max_tokens - min_tokens + 1) for i in range(count)]
+    openings: list[list[int]] = []
+    for length in sorted(set(lengths)):
+        rows = lengths.count(length)
+        for first in range(0, rows, _BATCH_ROWS):
+            batch = torch.full((min(_BATCH_ROWS, rows - first), 1), bos, dtype=torch.long)
+            openings += generate_batch(target, batch, length, temperature, top_p, generator).tolist()
     return openings

@@ -13,7 +13,8 @@ Checkpoints always hold the *full* drafter weights and optimiser state in the si
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -52,6 +53,23 @@ def wrap_data_parallel(module: nn.Module, world: World, fsdp: bool) -> nn.Module
     return DistributedDataParallel(module, device_ids=device_ids, forward_sync_buffers=False)
 
 
+@contextmanager
+def deferred_gradient_sync(model: nn.Module, defer: bool) -> Iterator[None]:
+    """Skip the cross-rank gradient reduction of the backward passes inside (``defer``): used on every
+    accumulation micro-batch but the last, whose backward reduces the summed gradients once."""
+    if defer and isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif defer and hasattr(model, "set_requires_gradient_sync"):  # FSDP (fully_shard)
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
 def _full_options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -60,13 +78,16 @@ def _full_options():
 
 def full_state_dicts(model: nn.Module, head: nn.Module,
                      optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Full drafter weights (``head`` key names) and optimiser state (single-process layout), on every rank."""
-    if not _is_sharded(model):
+    """Full drafter weights (``head`` key names) and optimiser state (single-process layout): on every rank
+    when replicated, on rank 0 only (empty dicts elsewhere) when sharded. Every rank must call it."""
+    if not is_sharded(model):
         return head.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     weights = get_model_state_dict(model, options=_full_options())
     by_name = get_optimizer_state_dict(model, optimizer, options=_full_options())
+    if not by_name:  # with cpu_offload only rank 0 receives the full state (and only rank 0 writes it)
+        return {}, {}
     names = [name for name, _ in model.named_parameters()]
     index = {name: i for i, name in enumerate(names)}
     state = {index[name]: value for name, value in by_name["state"].items()}
@@ -75,10 +96,21 @@ def full_state_dicts(model: nn.Module, head: nn.Module,
             {"state": state, "param_groups": groups})
 
 
+def full_weights(model: nn.Module, head: nn.Module) -> dict[str, Any]:
+    """The drafter's full weights (``head`` key names): on every rank when replicated, on rank 0 only (an
+    empty dict elsewhere) when sharded. Every rank must call it."""
+    if not is_sharded(model):
+        return head.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    weights = get_model_state_dict(model, options=_full_options())
+    return {name.removeprefix("head."): value for name, value in weights.items()}
+
+
 def load_full_state_dicts(model: nn.Module, head: nn.Module, optimizer: torch.optim.Optimizer,
                           weights: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
     """Load what :func:`full_state_dicts` wrote, into a replicated or sharded drafter."""
-    if not _is_sharded(model):
+    if not is_sharded(model):
         head.load_state_dict(weights, strict=True)
         optimizer.load_state_dict(optimizer_state)
         return
@@ -92,7 +124,8 @@ def load_full_state_dicts(model: nn.Module, head: nn.Module, optimizer: torch.op
     set_optimizer_state_dict(model, optimizer, by_name, options=_full_options())
 
 
-def _is_sharded(model: nn.Module) -> bool:
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``model``'s parameters are FSDP shards (DTensors)."""
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())

@@ -144,8 +144,12 @@ def train(config: TrainConfig, *, resume: bool = False, command: str = "",
 
 def _train(config: TrainConfig, world: World, resume: bool, command: str,
            on_step: Callable[[StepMetrics, int], None] | None) -> TrainResult:
+    if config.bf16 and not world.device.startswith("cuda"):
+        raise TrainingError("train: field `bf16` is True but this process has no CUDA device; expected a GPU for "
+                            "bf16 autocast. Fix: drop --bf16 on CPU.")
     target_path = config.target or embedded_target_path()
-    target, tokenizer = load_target(target_path)
+    # a frozen target is only read, so under --bf16 it is held in bf16 (half the memory); the drafter stays float32
+    target, tokenizer = load_target(target_path, torch.bfloat16 if config.bf16 else torch.float32)
     target_sha256 = checkpoint_sha256(target_path)
     mask_token_id = resolve_mask_token_id(config, target, isinstance(tokenizer, Llama2cTokenizer))
     draft_config = draft_config_for(target.config, num_layers=config.layers, block_len=config.block_len,
@@ -173,15 +177,15 @@ def _train(config: TrainConfig, world: World, resume: bool, command: str,
             distiller.run(until, record)
             state = distiller.state_dict()  # every rank takes part (FSDP gathers the shards)
         except (dist.DistError, RuntimeError) as exc:
-            if not world.distributed:
+            if not (world.distributed and is_collective_failure(exc)):
                 raise
             raise lost_rank_error(world, distiller.step, checkpoint, saved_step, exc) from exc
         if world.is_main:
             save_checkpoint(state, checkpoint, identity, history)
         saved_step = distiller.step
-    head = distiller.head.eval()
+    head = distiller.trained_head()
     final_loss, final_tau = history[-1] if history else (float("nan"), float("nan"))
-    if not world.is_main:
+    if not world.is_main or head is None:
         return TrainResult(config.out, steps, final_loss, final_tau, None, corpus.data_hash, world.rank)
     save_draft_checkpoint(head, config.out)
     prompts_path = default_eval_prompts(config)
@@ -193,6 +197,13 @@ def _train(config: TrainConfig, world: World, resume: bool, command: str,
            "final_loss": final_loss, "final_tau": final_tau, "report": report, "prompts_path": prompts_path}
     record_run(config, run, corpus, world, distiller.micro_batch)
     return TrainResult(config.out, steps, final_loss, final_tau, report, corpus.data_hash, world.rank)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True for the errors a collective raises when a peer rank died or hung (gloo, nccl, the store)."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(word in text for word in ("gloo", "NCCL", "Connection closed",
+                                                                             "timed out", "Timed out"))
 
 
 def lost_rank_error(world: World, step: int, checkpoint: Path, saved_step: int | None,

@@ -24,8 +24,8 @@ from dflash_trt.model.target import TargetModel
 from dflash_trt.training.forward import draft_forward_blocks
 from dflash_trt.training.objective import (accepted_prefix, block_labels, block_token_ids, sample_anchors,
                                            slot_weights, weighted_block_loss)
-from dflash_trt.training.parallel import (check_batch_split, full_state_dicts, load_full_state_dicts,
-                                          wrap_data_parallel)
+from dflash_trt.training.parallel import (check_batch_split, deferred_gradient_sync, full_state_dicts, full_weights,
+                                          is_sharded, load_full_state_dicts, wrap_data_parallel)
 from dflash_trt.training.soft_labels import soft_label_logits, weighted_block_kl
 from dflash_trt.training.world import World
 
@@ -200,8 +200,7 @@ class Distiller:
         self.optimizer.zero_grad(set_to_none=True)
         totals = torch.zeros(3, dtype=torch.float64)  # loss, accepted drafts, blocks
         for number, rows in enumerate(micro):
-            sync = number == len(micro) - 1 or not self.world.distributed
-            with nullcontext() if sync else self.model.no_sync():
+            with deferred_gradient_sync(self.model, defer=number < len(micro) - 1):
                 loss, weight, accepted, count = self.batch_loss([blocks.rows[i] for i in rows],
                                                                 [blocks.anchors[i] for i in rows])
                 # the micro-batch's share of the global weighted mean; DDP averages over ranks, hence * W
@@ -286,6 +285,18 @@ class Distiller:
         model, optimizer = full_state_dicts(self.model, self.head, self.optimizer)
         return {"step": self.step, "head": model, "optimizer": optimizer,
                 "generator": self.generator.get_state(), "epoch_order": list(self.epoch_order)}
+
+    def trained_head(self) -> DraftHead | None:
+        """The drafter in eval mode with its full weights: this rank's when replicated; when sharded, an
+        unsharded copy on rank 0 and None elsewhere. Every rank must call it."""
+        if not is_sharded(self.model):
+            return self.head.eval()
+        weights = full_weights(self.model, self.head)
+        if not weights:
+            return None
+        head = DraftHead(self.head.config)
+        head.load_state_dict(weights)
+        return head.eval()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_full_state_dicts(self.model, self.head, self.optimizer, state["head"], state["optimizer"])

@@ -54,3 +54,16 @@ def test_eval_of_the_embedded_pair_reports_tau(tmp_path):
     assert report["num_prompts"] == 2 and report["block_len"] == 16 and report["tau"] >= 1.0
     assert report["mean_prompt_tau"] == sum(report["per_prompt_tau"]) / 2
     assert len(report["acceptance_histogram"]) == 16 and sum(report["acceptance_histogram"]) > 0
+
+
+def test_sampled_eval_runs_every_prompt_once_per_seed_and_is_reproducible(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time, there was a little girl named Lily.\nOne day, a little boy named Tim\n")
+    flags = ["--prompts", str(prompts), "--max-new-tokens", "16", "--temperature", "1", "--proposal", "sampled",
+             "--seeds", "2", "--json"]
+    first, again = (CliRunner().invoke(eval_command, flags) for _ in range(2))
+    assert first.exit_code == 0, first.output
+    report = json.loads(first.output)
+    assert report["decoding"] == "T=1 top-p=1 sampled proposals x 2 seeds" and report["num_prompts"] == 2
+    assert report["num_output_tokens"] == 2 * 2 * 16  # no stop token within 16 tokens of these stories
+    assert report == json.loads(again.output)  # request seeds are fixed: the same figures every run

@@ -156,6 +156,14 @@ def test_one_process_resumes_on_two_ranks(tmp_path, cache, one_rank):
     assert json.loads((out / "training.json").read_text())["distributed"]["world_size"] == 2
 
 
+def test_fsdp_shards_with_accumulation_train_the_drafter_one_process_trains(tmp_path, cache, one_rank):
+    out = tmp_path / "fsdp"
+    run(out, 2, cache, "--fsdp", "--batch-size", "1")
+    record = json.loads((out / "training.json").read_text())["distributed"]
+    assert record["parallelism"] == "fsdp" and record["accumulation_steps"] == 2
+    assert max_difference(weights(out), weights(one_rank)) < WEIGHT_TOLERANCE
+
+
 def test_resume_with_another_global_batch_is_refused_in_one_line(tmp_path, cache, one_rank):
     out = tmp_path / "copy"
     shutil.copytree(one_rank, out)
