@@ -140,6 +140,9 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
                                  "send `Content-Type: application/json` with a JSON object.", code="invalid_json") \
                 from None
         param = ".".join(str(part) for part in first["loc"] if not _is_union_member(part)) or None
+        if param is None:
+            raise RequestRefused(f"the body is {first.get('input')!r}; expected one JSON object holding the request's "
+                                 "fields. Fix: send {\"model\": ..., ...} as the body.", code="invalid_value") from None
         if first["type"] == "missing":
             message = f"field `{param}` is missing; expected it in every request. Fix: send `{param}`."
         elif first["type"] == "extra_forbidden":
