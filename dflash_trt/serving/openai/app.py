@@ -29,6 +29,9 @@ from dflash_trt.serving.openai.prometheus import ServerMetrics
 from dflash_trt.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, RequestRefused, chunk_body,
                                                 completion_body, new_id, parse, spec_decoding, usage)
 
+MAX_BODY_BYTES = 8 << 20
+"""Bodies past this are refused while they arrive (413), not buffered whole."""
+
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``/v1/completions``; chat requests default to the rest of the context."""
 
@@ -142,7 +145,14 @@ async def _json_body(request: Request, api_key: str | None) -> bytes:
         raise RequestRefused(f"Content-Type is {content_type or 'absent'!r}; expected 'application/json'. Fix: send "
                              "the request body as JSON with `Content-Type: application/json`.", status=415,
                              code="unsupported_media_type")
-    return await request.body()
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise RequestRefused(f"the body is larger than {MAX_BODY_BYTES >> 20} MiB; expected a request far under "
+                                 "that (the whole context of a model is a few hundred KiB of text). Fix: shorten the "
+                                 "prompt.", status=413, code="request_too_large")
+    return bytes(body)
 
 
 def _check_model(requested: str, served: str) -> None:

@@ -159,6 +159,8 @@ BAD_REQUESTS = [
     ("completions", b'{"model": "stories260K", "prompt": ', "application/json", 400, None, "not valid JSON"),
     ("completions", b"model=stories260K&prompt=hi", "application/x-www-form-urlencoded", 415, None, "application/json"),
     ("completions", b'["Once upon a time"]', "application/json", 400, None, "one JSON object"),
+    ("completions", b'{"model": "stories260K", "prompt": "' + b"a" * (9 << 20) + b'"}', "application/json", 413, None,
+     "larger than 8 MiB"),
     ("completions", {"model": "gpt-4", "prompt": "hi"}, "application/json", 404, "model", "not served"),
     ("chat/completions", {"model": MODEL, "messages": []}, "application/json", 400, "messages", "at least 1"),
     ("chat/completions", {"model": MODEL}, "application/json", 400, "messages", "missing"),
