@@ -25,6 +25,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 
 from dflash_trt.bench.datasets import PromptSet, load_dataset, load_prompt_file
 from dflash_trt.bench.metrics import distribution
-from dflash_trt.errors import RequestError
+from dflash_trt.errors import BackendUnavailableError, RequestError
 
 GOALS = ("ttft", "tpot", "e2e")
 
@@ -292,6 +293,9 @@ def _body(server: dict[str, Any], prompt: str, max_tokens: int, temperature: flo
 def run_endpoint_benchmark(config: EndpointBenchConfig,
                            progress: Callable[[str, int, int], None] = lambda *_: None) -> dict[str, Any]:
     """Measure every cell on every endpoint; the report's ``conditions`` record how."""
+    if find_spec("httpx") is None:
+        raise BackendUnavailableError("`bench --endpoint` needs httpx, which is not installed; expected the `bench` "
+                                      "extra. Fix: pip install 'dflash-trt[bench]'.")
     report = asyncio.run(_benchmark(config, progress))
     report["conditions"] = {"config": json.loads(config.model_copy(update={"api_key": None}).model_dump_json()),
                             "client": "httpx, streaming /v1/completions with include_usage"}
