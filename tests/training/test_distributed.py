@@ -127,6 +127,19 @@ def test_two_ranks_train_the_drafter_one_process_trains(two_ranks, one_rank):
     assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-4)
 
 
+def test_the_two_rank_drafter_loads_in_the_runtime_and_the_reference(two_ranks):
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.runtime.session import Session
+
+    params = SamplingParams(max_new_tokens=24)
+    drafted = Session.from_checkpoints(None, two_ranks).generate("Once upon a time", params)
+    plain = Session.from_checkpoints(None, two_ranks, use_draft=False).generate("Once upon a time", params)
+    assert drafted.token_ids == plain.token_ids and len(drafted.token_ids) == 24
+    dflash_model = pytest.importorskip("dflash.model", reason="the reference implementation dflash 0.1.0 is absent")
+    draft = dflash_model.DFlashDraftModel.from_pretrained(two_ranks, attn_implementation="sdpa", dtype=torch.float32)
+    assert draft.block_size == 4 and draft.mask_token_id == 0
+
+
 def test_gradient_accumulation_reaches_the_same_global_batch(tmp_path, cache, one_rank):
     run(tmp_path / "accumulated", 1, cache, "--batch-size", "1")
     record = json.loads((tmp_path / "accumulated" / "training.json").read_text())
