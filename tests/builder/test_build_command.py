@@ -88,9 +88,11 @@ def test_quantized_onnxruntime_engine_matches_torch_on_the_same_quantized_weight
     manifest = read_manifest(out)
     assert manifest.quantization.quant_algo == quant.upper() and manifest.artefact("quant_target") is not None
     runs = {}
-    for backend in ("onnxruntime", "torch"):
+    for backend, plain in (("onnxruntime", False), ("torch", False), ("onnxruntime", True)):
+        flags = ["--no-draft"] if plain else []
         run = CliRunner().invoke(main, ["run", "--engine", str(out), "--backend", backend, "--prompt", "Once upon",
-                                        "--max-new-tokens", "40", "--json"])
+                                        "--max-new-tokens", "40", "--json", *flags])
         assert run.exit_code == 0, run.output
-        runs[backend] = json.loads(run.output)["token_ids"]
-    assert runs["onnxruntime"] == runs["torch"]
+        runs[backend, plain] = json.loads(run.output)["token_ids"]
+    assert runs["onnxruntime", False] == runs["torch", False]
+    assert runs["onnxruntime", False] == runs["onnxruntime", True]  # lossless on the quantized engine too
