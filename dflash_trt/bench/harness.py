@@ -166,8 +166,8 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
 
 
 def _step_costs(session: Session, concurrency: int, block_len: int, mark: dict) -> StepCosts | None:
-    """This cell's forward costs at its concurrency: the median of every forward of each kind the session
-    measured during the cell (``runtime/costs.py``; warm-up wave included). None without drafting."""
+    """This cell's forward costs at its concurrency: the mean of every forward of each kind the session measured
+    during the cell (``runtime/costs.py``; warm-up wave included). None without drafting."""
     if block_len < 2:
         return None
     try:

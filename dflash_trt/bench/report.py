@@ -167,8 +167,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     costed = [cell for cell in report["cells"] if "forward_costs" in cell]
     if costed:
         lines += ["", "## Where the time goes (DFlash, static block length)", "",
-                  "Forward costs the runtime measured during the cell (`Session.costs`: the median of every forward "
-                  "of each kind at the cell's concurrency): a plain step is a 1-token verify plus its other work "
+                  "Forward costs the runtime measured during the cell (`Session.costs`: the mean of every forward "
+                  "of each kind at the cell's concurrency, so that stalls count as in the measured throughput): a plain step is a 1-token verify plus its other work "
                   "(sampling, bookkeeping); a cycle is a draft and a verify of k+1 tokens plus its other work. "
                   "Ideal speed-up = τ × plain step ÷ cycle, what these costs allow; the measured one also pays "
                   "prefill, the batch shrinking at the end of each wave, and scheduling.", "",

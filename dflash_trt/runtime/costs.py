@@ -111,15 +111,16 @@ class CostModel:
     def breakdown(self, batch: int, draft_len: int, since: dict[tuple, int] | None = None) -> StepCosts:
         """A plain step and a ``draft_len`` cycle at ``batch`` rows (every row drafting), for reports.
 
-        ``since`` (a :meth:`mark`): each part is the median of that point's measurements after the mark (up to
-        the last few thousand), where there are any; otherwise, and without ``since``, the current estimate.
+        ``since`` (a :meth:`mark`): each part is the mean of that point's measurements after the mark (up to the
+        last few thousand), where there are any: a mean, like a throughput, pays for every stalled step.
+        Otherwise, and without ``since``, the current (median) estimate.
         Raises ``LookupError`` until verify and draft forwards were measured."""
         def part(sample_key: tuple, estimate) -> float:
             if since is not None:
                 fresh = self._counts.get(sample_key, 0) - since.get(sample_key, 0)
                 history = list(self._history.get(sample_key, ()))[-fresh:] if fresh > 0 else []
                 if history:
-                    return statistics.median(history)
+                    return statistics.fmean(history)
             return estimate()
 
         width = draft_len + 1
