@@ -95,7 +95,8 @@ def _additive(visible: Tensor) -> Tensor:
 
 
 class TargetGraph(nn.Module):
-    """``TargetModel`` as a function of (tokens, positions, bound caches); the decoder layers are the model's."""
+    """``TargetModel.run_layers`` as a function of (tokens, positions, bound caches): only the K/V store is the
+    graph's own."""
 
     def __init__(self, model: TargetModel, tap_ids: tuple[int, ...]) -> None:
         super().__init__()
@@ -105,24 +106,14 @@ class TargetGraph(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor, cache_positions: Tensor, cache_lengths: Tensor,
                 key_cache: Tensor, value_cache: Tensor) -> tuple[Tensor, ...]:
         slots = key_cache.shape[3]  # S: padding tokens sit at position S
-        h = self.model.embed_tokens(tokens)
-        cos, sin = self.model.rotary.lookup(positions, h.dtype)
         queries = positions.unsqueeze(-1)  # [B, T, 1]
         # a query sees the committed cache rows and the new rows at or before it; padding queries see all
         committed = (cache_positions.view(1, 1, -1) < cache_lengths.view(-1, 1, 1)).expand(-1, tokens.shape[1], -1)
         mask = _additive((torch.cat([committed, positions.unsqueeze(1) <= queries], dim=-1) | (queries >= slots)
                           ).unsqueeze(1))  # [B, 1, T, K+T]
         cache = _BoundCache(key_cache, value_cache, cache_positions.shape[0])
-        taps: dict[int, Tensor] = {}
-        for index, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, index, 0, mask, positions)
-            if index in self.tap_ids:  # id N-1 is final-normed, as in TargetModel (transformers' hidden_states[N])
-                taps[index] = self.model.norm(h) if index == len(self.model.layers) - 1 else h
-        logits = self.model.lm_head(self.model.norm(h))
-        outputs = (logits,)
-        if self.tap_ids:
-            outputs += (torch.cat([taps[i] for i in self.tap_ids], dim=-1),)
-        return outputs + cache.outputs()
+        logits, taps = self.model.run_layers(tokens, positions, cache, None, mask, positions, self.tap_ids)
+        return (logits,) + ((taps,) if self.tap_ids else ()) + cache.outputs()
 
 
 class _BoundKeys:
