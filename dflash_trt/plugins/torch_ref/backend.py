@@ -19,6 +19,7 @@ from torch import Tensor
 
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import DraftConfig, TargetConfig
+from dflash_trt.errors import ConfigError
 from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
 from dflash_trt.plugins.torch_ref.graphs import COMPILERS, MAX_BUCKET_WIDTH, CompiledForwards, bucket
@@ -36,8 +37,6 @@ def compiler_from_env() -> str | None:
     if value in ("0", "eager", ""):
         return None
     if value not in COMPILERS:
-        from dflash_trt.errors import ConfigError
-
         raise ConfigError(f"DFLASH_TORCH_COMPILE is {value!r}; expected 0, eager, {', '.join(COMPILERS)}. Fix: "
                           "unset it or pass one of those.")
     return value
@@ -61,7 +60,11 @@ class TorchBackend:
         if self.device.type == "cpu":  # by model size, DFLASH_TORCH_THREADS overrides (plugins/torch_ref/threads.py)
             use_intra_op_threads(self.target_config.hidden_size)
         compiler = compiler_from_env() if compiler == "env" else compiler
-        self.graphs = CompiledForwards(compiler) if compiler is not None and self.device.type == "cpu" else None
+        if compiler is not None and self.device.type != "cpu":
+            raise ConfigError(f"DFLASH_TORCH_COMPILE is {compiler!r} with the torch backend on {self.device}; "
+                              "expected a CPU device (compiled forwards are built and tested on CPU only). Fix: "
+                              "unset DFLASH_TORCH_COMPILE (or set it to 0) on a GPU.")
+        self.graphs = CompiledForwards(compiler) if compiler is not None else None
 
     @property
     def execution(self) -> str:
