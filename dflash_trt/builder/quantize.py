@@ -1,4 +1,4 @@
-"""FP8 and NVFP4 quantisation numerics, bit-identical to nvidia-modelopt 0.47.0 (serving.md §3.2).
+"""FP8 and NVFP4 numerics, bit-identical to nvidia-modelopt 0.47.0 (docs/serving-notes.md §3.2).
 
 Pure tensor -> tensor functions; nothing here knows about models or files (the export folder
 is ``builder/quantized_checkpoint.py``). Every formula is the one ModelOpt's HF export uses,
@@ -17,7 +17,7 @@ Our own addition, for running the result:
   2^-9 and every NVFP4 element (without its global scale) of 2^-10, so a quantised GEMM is an int64
   matmul, exact and the same bits whatever the number of rows, then one multiply by the scales.
 
-One correction to serving.md §3.2: ModelOpt rounds the e2m1 midpoints ties-to-even, so 0.75,
+ModelOpt rounds the e2m1 midpoints ties-to-even (docs/serving-notes.md §3.2), so 0.75,
 1.75 and **3.5** round up and 0.25, 1.25, **2.5** and 5 round down (``_cast_fp4`` bumps only
 the bounds 0.75, 1.75, 3.5). The frozen vectors in ``tests/builder/data`` pin this.
 

@@ -1,7 +1,7 @@
 """A target quantised to FP8 or NVFP4 in the ModelOpt HF export format: make it, write it, read it, run it.
 
 The folder is what ``modelopt.torch.export.export_hf_checkpoint`` (0.47.0) writes and what
-TensorRT-LLM's PyTorch backend, vLLM and SGLang read (serving.md §3.1):
+TensorRT-LLM's PyTorch backend, vLLM and SGLang read (docs/serving-notes.md §3.1):
 
 - ``config.json``: an HF Llama/Qwen3 config plus ``quantization_config`` (``quant_method: modelopt``);
 - ``hf_quant_config.json``: ``{"producer", "quantization": {quant_algo, kv_cache_quant_algo,
@@ -241,7 +241,7 @@ def dequantize_into(model: TargetModel, state: dict[str, Tensor], quant_config: 
 
 def _quantized_module(mode: q.QuantMode, tensors: dict[str, Tensor], shape: tuple[int, int], activations: Activations,
                       fp8_gemm: bool, where: str) -> nn.Module:
-    """Check one linear's stored tensors against serving.md §3.1 and build its runtime module."""
+    """Check one linear's stored tensors against docs/serving-notes.md §3.1 and build its runtime module."""
     out_features, in_features = shape
     expected = {"weight": ((out_features, in_features), torch.float8_e4m3fn), "weight_scale": ((), torch.float32),
                 "input_scale": ((), torch.float32)}
@@ -257,7 +257,8 @@ def _quantized_module(mode: q.QuantMode, tensors: dict[str, Tensor], shape: tupl
     for key, (want_shape, want_dtype) in expected.items():
         if tuple(tensors[key].shape) != want_shape or tensors[key].dtype != want_dtype:
             raise CheckpointFormatError(f"{where}.{key}: is {tensors[key].dtype} {tuple(tensors[key].shape)}; "
-                                        f"expected {want_dtype} {want_shape} (serving.md §3.1). Fix: re-export.")
+                                        f"expected {want_dtype} {want_shape} (docs/serving-notes.md §3.1). "
+                                        "Fix: re-export.")
     bias = tensors["bias"].float() if "bias" in tensors else None
     if mode == "fp8" and fp8_gemm:
         return Fp8Linear(tensors["weight"], tensors["weight_scale"], tensors["input_scale"], bias)
