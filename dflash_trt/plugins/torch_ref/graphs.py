@@ -126,9 +126,9 @@ class CompiledForwards:
 
             # a process-wide limit, raised once a session asks for compiled forwards (never at import)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-            # a C++ wrapper calls the kernels, not Python: the wrapper's per-kernel overhead is what a small model's
-            # forward is made of (B=1 on stories260K: verify(1) 1.8 ms with it, 34.6 without; eager 22.4 and 39.7
-            # in those two A/B runs on a loaded machine, docs/benchmarks.md)
+            # a C++ wrapper calls the kernels, not Python: per-kernel dispatch is what a small model's forward is
+            # made of (stories260K, batch 1, verify(1): 1.8-11 ms with it, 35 ms without, eager 22-40 ms, in A/B
+            # runs on a loaded machine, docs/benchmarks.md)
             options = {"cpp_wrapper": True}
             self.target = torch.compile(target_rows, backend=compiler, dynamic=False, fullgraph=True, options=options)
             self.draft = torch.compile(draft_rows, backend=compiler, dynamic=False, fullgraph=True, options=options)
