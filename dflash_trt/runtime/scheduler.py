@@ -10,6 +10,7 @@ error (``finish_reason == "error"``), the others of the batch finish normally, a
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import heapq
 import threading
@@ -76,7 +77,9 @@ class Scheduler:
                     cancelled.set()
             self._wake.notify()
             worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
+        if worker is threading.current_thread():  # closed from its own thread (its session was collected there):
+            atexit.register(worker.join, timeout)  # it ends by itself, but the interpreter must not finalize first
+        elif worker is not None:
             worker.join(timeout)
 
     def _serve(self) -> None:
