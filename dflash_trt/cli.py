@@ -1,4 +1,4 @@
-"""The ``dflash-trt`` command line: one click group, one thin function per command (style R13).
+"""The ``dflash-trt`` command line: one click group, one thin function per command (docs/style.md R13).
 
 Each command parses flags, builds the typed config, calls one library function and renders.
 Known errors (``DFlashError``) print as one line with exit code 2; ``--debug`` or

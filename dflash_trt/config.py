@@ -1,9 +1,9 @@
-"""Typed, frozen configs validated at the boundary (style R6).
+"""Typed, frozen configs validated at the boundary (docs/style.md R6).
 
 ``TargetConfig`` and ``DraftConfig`` are what the builder's loaders produce from checkpoint
 files (HF ``config.json``, llama2.c headers, z-lab DFlash ``config.json``); the models and the
 runtime only ever see these. ``SamplingParams`` is one request's decoding settings.
-Field meanings follow ``shared/docs/dflash.md`` §1 and §5.
+Field meanings follow ``docs/algorithm.md`` §1 and §5.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class TargetConfig(BaseModel):
 
 
 class DraftConfig(BaseModel):
-    """A DFlash drafter, normalised from the z-lab ``config.json`` (dflash.md §5.1)."""
+    """A DFlash drafter, normalised from the z-lab ``config.json`` (docs/algorithm.md §5.1)."""
 
     model_config = _FROZEN
     hidden_size: PositiveInt = Field(description="Residual width; must equal the target's, H.")
@@ -78,7 +78,7 @@ class DraftConfig(BaseModel):
     num_kv_heads: PositiveInt = Field(description="Key/value heads, nkv.")
     head_dim: PositiveInt = Field(description="Per-head width, d.")
     rms_norm_eps: PositiveFloat = Field(description="RMSNorm epsilon.")
-    rope: RopeConfig = Field(description="RoPE settings from the draft config (dflash.md §2.6).")
+    rope: RopeConfig = Field(description="RoPE settings from the draft config (docs/algorithm.md §2.6).")
     vocab_size: PositiveInt = Field(description="Vocabulary the drafter was built for.")
     max_position_embeddings: PositiveInt = Field(description="Longest position the drafter was configured for.")
     attention_bias: bool = Field(default=False, description="q/k/v/o projections carry a bias.")
@@ -94,7 +94,7 @@ class DraftConfig(BaseModel):
     sliding_window: PositiveInt | None = Field(default=None, description="Key window of sliding layers.")
     is_causal: bool | None = Field(
         default=None, description="Top-level `is_causal`: True makes every layer causal in-block, False none; "
-        "None (absent) = causal exactly on sliding layers (the reference's per-layer rule, dflash.md §2.5).")
+        "None (absent) = causal exactly on sliding layers (the reference's per-layer rule, docs/algorithm.md §2.5).")
     input_embedding_scale: float = Field(default=1.0, description="Multiplier on the raw target embedding.")
     output_multiplier: float = Field(default=1.0, description="Multiplier on the draft logits.")
     final_logit_softcapping: PositiveFloat | None = Field(default=None, description="tanh softcap on draft logits.")
@@ -143,7 +143,7 @@ class SamplingParams(BaseModel):
     )
     proposal: ProposalMode = Field(
         default="greedy",
-        description="Draft proposals: `greedy` (argmax draft, one-hot rejection; dflash.md §3.4 A) or "
+        description="Draft proposals: `greedy` (argmax draft, one-hot rejection; docs/algorithm.md §3.4 A) or "
         "`sampled` (draft sampled from q, standard rejection; the dflash 0.1.0 rule, §3.4 B).",
     )
 

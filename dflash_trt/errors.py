@@ -1,4 +1,4 @@
-"""One exception hierarchy for dflash_trt (style R7).
+"""One exception hierarchy for dflash_trt (docs/style.md R7).
 
 Every message says what was found, what was expected, and the fix. Each class also
 inherits the matching built-in so callers that catch ``ValueError`` keep working.

@@ -1,6 +1,6 @@
 """Tokenizers: llama2.c ``tokenizer.bin`` (tok512) and Hugging Face ``tokenizer.json``.
 
-The llama2.c algorithm (shared/docs/assets.md §3): BOS, a dummy-prefix space, one piece per
+The llama2.c algorithm (docs/assets.md §3): BOS, a dummy-prefix space, one piece per
 UTF-8 character with byte fallback (id = byte + 3), then greedy merges of the adjacent pair
 with the highest score, leftmost on ties.
 """

@@ -1,4 +1,4 @@
-"""Tier-0 fixtures (style R12): deterministic tiny models, float32, CPU, no downloads.
+"""Tier-0 fixtures (docs/style.md R12): deterministic tiny models, float32, CPU, no downloads.
 
 The models themselves are specified and built in ``tiny_models.py`` (this folder is on ``sys.path``
 while pytest runs, so tests import the specs from there); the fixtures here share one session-wide

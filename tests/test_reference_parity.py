@@ -1,4 +1,4 @@
-"""Token-for-token parity with the official implementation, ``dflash`` 0.1.0 (reference-implementation.md §7).
+"""Token-for-token parity with the official implementation, ``dflash`` 0.1.0 (docs/reference-parity.md §7).
 
 Both sides load the same checkpoints in float32: the target as a transformers ``save_pretrained`` folder
 (the reference through ``AutoModelForCausalLM``, attn ``sdpa``), the drafter as a z-lab DFlash folder

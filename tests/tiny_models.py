@@ -1,4 +1,4 @@
-"""Deterministic tiny models for tier-0 tests: float32, CPU, built on the fly, no downloads (style R12).
+"""Deterministic tiny models for tier-0 tests: float32, CPU, built on the fly, no downloads (docs/style.md R12).
 
 Imported by ``conftest.py`` (which puts this folder on ``sys.path``) and by tests that need the specs.
 A ``Zoo`` builds and caches, under one temporary folder:
@@ -109,7 +109,7 @@ def build_hf_target(spec: TargetSpec):
 
 
 def draft_config_for_spec(target_cfg, spec: DraftSpec):
-    """A ``DraftConfig`` whose shapes and RoPE are copied from the target (dflash.md §2.2)."""
+    """A ``DraftConfig`` whose shapes and RoPE are copied from the target (docs/algorithm.md §2.2)."""
     from dflash_trt.config import DraftConfig
     from dflash_trt.model.draft_head import build_target_layer_ids
 

@@ -11,7 +11,7 @@ The project never depends on modelopt; this script produces the bytes our quanti
   exported tensor's dtype, shape and sha256, the ``input_scale`` values, ``hf_quant_config.json``
   and ``config.json``'s ``quantization_config``.
 
-Setup (torch first, exact pin, so pip keeps the CPU wheel; environment.md §7.2)::
+Setup (torch first, exact pin, so pip keeps the CPU wheel; docs/environment.md §7.2)::
 
     python3 -m venv /tmp/venv-modelopt
     /tmp/venv-modelopt/bin/pip install torch==2.13.0

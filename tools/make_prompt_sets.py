@@ -1,9 +1,12 @@
-"""Regenerate the benchmark prompt sets shipped in dflash_trt/bench/prompts/ from shared/assets.
+"""Regenerate the benchmark prompt sets shipped in dflash_trt/bench/prompts/ from their upstream files.
 
 Each set becomes JSONL with ``{"id", "category", "prompt"}`` only (answers, tests and solutions are
 dropped). AlpacaEval is CC BY-NC 4.0 and is deliberately not shipped; pass it with --prompts.
 
-    python tools/make_prompt_sets.py ../shared/assets
+    python tools/make_prompt_sets.py SOURCES
+
+SOURCES holds the upstream files listed in dflash_trt/bench/prompts/PROVENANCE.md, laid out as
+``tinystories/TinyStories-valid-head21.txt`` and ``eval/<set>/<file>`` (the paths ``build`` reads).
 """
 
 from __future__ import annotations
@@ -80,7 +83,9 @@ def build(assets: Path) -> dict[str, list[dict]]:
 
 
 def main() -> None:
-    assets = Path(sys.argv[1] if len(sys.argv) > 1 else "../shared/assets")
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    assets = Path(sys.argv[1])
     OUT.mkdir(parents=True, exist_ok=True)
     for name, rows in build(assets).items():
         data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)

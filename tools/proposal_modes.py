@@ -1,4 +1,4 @@
-"""Measure the two lossless sampling proposal modes (dflash.md §3.4) on the embedded pair.
+"""Measure the two lossless sampling proposal modes (docs/algorithm.md §3.4) on the embedded pair.
 
     .venv/bin/python tools/proposal_modes.py            # prints a markdown table (docs/decoding.md)
 

@@ -1,4 +1,4 @@
-"""Aggregate per-request timings into the report's metrics (dflash.md §6 names)."""
+"""Aggregate per-request timings into the report's metrics (docs/algorithm.md §6 names)."""
 
 from __future__ import annotations
 

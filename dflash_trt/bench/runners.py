@@ -35,7 +35,7 @@ class Timing:
 
     @property
     def tpot_s(self) -> float:
-        """``(e2e - TTFT) / (output_tokens - 1)`` (dflash.md §6)."""
+        """``(e2e - TTFT) / (output_tokens - 1)`` (docs/algorithm.md §6)."""
         n = len(self.token_ids)
         return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
 

@@ -1,4 +1,4 @@
-"""``dflash-trt build``: a thin click command over ``builder.engine.build_engine`` (style R13).
+"""``dflash-trt build``: a thin click command over ``builder.engine.build_engine`` (docs/style.md R13).
 
 Shows one line per build step as it runs, then a summary of what was written (artefact sizes,
 build time, peak memory). When the machine cannot produce part of the requested engine (TensorRT

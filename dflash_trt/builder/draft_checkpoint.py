@@ -1,4 +1,4 @@
-"""Read and write DFlash drafters in the z-lab checkpoint format, unchanged (dflash.md §5).
+"""Read and write DFlash drafters in the z-lab checkpoint format, unchanged (docs/algorithm.md §5).
 
 ``config.json`` is a Qwen3 config plus ``num_target_layers``, ``block_size`` and
 ``dflash_config``; ``model.safetensors`` holds ``fc``, ``hidden_norm``, ``norm`` and 11 tensors
@@ -155,7 +155,7 @@ def load_draft_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32
             f"{folder}: tensors do not match a {config.num_layers}-layer DFlashDraftModel with "
             f"{config.num_taps} taps: unknown {unknown[:6]}{'...' if len(unknown) > 6 else ''}, missing "
             f"{missing[:6]}{'...' if len(missing) > 6 else ''}; expected exactly the z-lab tensor names "
-            "(dflash.md §5.2). Fix: use an unmodified z-lab-format drafter; DFlash2 and third-party extras are "
+            "(docs/algorithm.md §5.2). Fix: use an unmodified z-lab-format drafter; DFlash2 and third-party extras are "
             "not supported.")
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):

@@ -2,7 +2,7 @@
 
 Everything is written into a hidden staging folder beside ``out`` and renamed into place only
 after the manifest (with every artefact's sha256) is complete, so an interrupted build never
-leaves a folder that loads (architecture.md contract 1). An existing ``out`` is replaced only with
+leaves a folder that loads (docs/design.md §3.1). An existing ``out`` is replaced only with
 ``force``, and only when it is an engine folder (``builder/staging.py``: a user's files are never
 deleted; staging folders of killed builds are cleaned up). What a backend cannot produce on this
 machine (TensorRT plans without a GPU, TRT-LLM validation without tensorrt_llm) is listed in

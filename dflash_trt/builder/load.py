@@ -1,4 +1,4 @@
-"""Checkpoint pair -> validated ``ModelPair`` (the builder's front door, architecture.md data flow).
+"""Checkpoint pair -> validated ``ModelPair`` (the builder's front door, docs/design.md §2).
 
 A target is an HF Llama/Qwen3 folder or a llama2.c ``.bin``; a drafter is a z-lab DFlash folder.
 ``validate_pair`` checks everything the draft-verify loop relies on and refuses with the field,
@@ -97,7 +97,7 @@ def validate_pair(target: TargetConfig, draft: DraftConfig, source: str = "pair"
         raise IncompatiblePairError(f"{source}: drafter field `dflash_config.target_layer_ids` contains {bad_taps}; "
                                     f"expected ids < the target's {target.num_layers} layers. Fix: use the drafter "
                                     "trained for this target.")
-    if draft.rope != target.rope:  # theta, kind and every scaling field: positions are shared (dflash.md §2.6)
+    if draft.rope != target.rope:  # theta, kind and every scaling field: positions are shared (docs/algorithm.md §2.6)
         raise IncompatiblePairError(f"{source}: drafter RoPE is {_rope_text(draft.rope)}; expected the target's "
                                     f"{_rope_text(target.rope)}: positions are shared with the target. Fix: copy "
                                     "`rope_theta`/`rope_scaling` from the target config into the drafter config.")

@@ -1,5 +1,5 @@
-"""``engines/NAME/manifest.json``: the versioned contract between builder and runtime (architecture.md
-contract 1, style R8, serving.md §5).
+"""``engines/NAME/manifest.json``: the versioned contract between builder and runtime (docs/design.md
+§3.1, docs/style.md R8, docs/serving-notes.md §5).
 
 The manifest records where the weights came from (sha256 of every source file), the configs the
 runtime needs (target, drafter, ``block_len``, ``target_layer_ids``, ``mask_token_id``), the
@@ -86,7 +86,7 @@ class PluginStamp(BaseModel):
 
 
 class TensorRTStamp(BaseModel):
-    """What a TensorRT plan is tied to (serving.md §5): a plan only runs on the same SM and TensorRT version."""
+    """What a TensorRT plan is tied to (serving-notes.md §5): a plan only runs on the same SM and TensorRT version."""
 
     model_config = _FROZEN
     version: str = Field(description="TensorRT version that built the plans.")
@@ -102,7 +102,7 @@ class TensorRTStamp(BaseModel):
 
 
 class Quantization(BaseModel):
-    """How the target weights were quantized (ModelOpt names, serving.md §3.1)."""
+    """How the target weights were quantized (ModelOpt names, docs/serving-notes.md §3.1)."""
 
     model_config = _FROZEN
     mode: QuantName = Field(description="none | fp8 | nvfp4.")

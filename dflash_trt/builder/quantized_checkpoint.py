@@ -320,7 +320,7 @@ class IntegerQuantizedLinear(nn.Module):
 class Fp8Linear(nn.Module):
     """FP8 W8A8 linear as served on a GPU: ``_scaled_mm(fp8(x / s_x), W_q^T, s_x, s_w)`` with fp32 output.
 
-    torch 2.13 runs ``_scaled_mm`` on CPU too (environment.md §4.1). Shapes: qweight float8_e4m3fn
+    torch 2.13 runs ``_scaled_mm`` on CPU too (docs/environment.md §4.1). Shapes: qweight float8_e4m3fn
     ``[out, in]``; forward ``[..., in] -> [..., out]`` float32.
     """
 

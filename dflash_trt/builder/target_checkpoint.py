@@ -1,9 +1,9 @@
 """Target loaders: Hugging Face Llama/Qwen3 folders and llama2.c ``.bin`` checkpoints.
 
-Conversion is an explicit key table with a shape check per tensor (style R8). llama2.c stores
+Conversion is an explicit key table with a shape check per tensor (docs/style.md R8). llama2.c stores
 RoPE pairs interleaved ``(2i, 2i+1)``; we permute the rows of ``wq``/``wk`` inside every head
 to rotate-half order ``0,2,4,..,1,3,5,..`` so one attention implementation serves every target
-(shared/docs/assets.md §2.4).
+(docs/assets.md §2.4).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _IGNORED_HF_KEYS = ("rotary_emb.inv_freq",)
 
 
 def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: str) -> None:
-    """Refuse unknown, missing or mis-shaped tensors (the explicit key table's shape check, style R8)."""
+    """Refuse unknown, missing or mis-shaped tensors (the explicit key table's shape check, docs/style.md R8)."""
     unknown = sorted(set(state) - set(expected))
     missing = sorted(set(expected) - set(state))
     if unknown or missing:

@@ -1,4 +1,4 @@
-"""Static, preallocated KV cache with exact crop/rewind (dflash.md §3.5, style R5).
+"""Static, preallocated KV cache with exact crop/rewind (docs/algorithm.md §3.5, docs/style.md R5).
 
 Row ``i`` of the cache holds the key/value of absolute position ``i``, so cropping to the
 accepted prefix is bookkeeping only: the next write at ``start`` overwrites the rejected rows,

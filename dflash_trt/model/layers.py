@@ -66,7 +66,7 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
 
 
 class RotaryTable(nn.Module):
-    """Precomputed cos/sin for every position up to ``max_positions`` (allocated once, style R5).
+    """Precomputed cos/sin for every position up to ``max_positions`` (allocated once, docs/style.md R5).
 
     Shapes: ``cos``/``sin`` buffers are ``[P, d]``; ``lookup(positions [B, T])`` gives ``[B, 1, T, d]``.
     """

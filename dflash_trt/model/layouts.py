@@ -1,4 +1,4 @@
-"""Where each row of a batched forward lives: cache slot, positions, padding (dflash.md §3.5, batched).
+"""Where each row of a batched forward lives: cache slot, positions, padding (docs/algorithm.md §3.5, batched).
 
 Requests at different positions and block lengths share one forward. Rows are padded to a common
 width; a padding token gets the cache's *pad position* (one scratch row past ``max_len``), so its

@@ -2,7 +2,7 @@
 
 ``forward`` returns logits and, when asked, the concatenated outputs of the tapped decoder
 layers. A tap id ``l`` is the output of decoder layer ``l`` (0-indexed), i.e. transformers'
-``hidden_states[l + 1]`` because index 0 there is the embedding output (dflash.md §2.3).
+``hidden_states[l + 1]`` because index 0 there is the embedding output (docs/algorithm.md §2.3).
 Module names mirror transformers' (``layers.{i}.self_attn.q_proj`` ...) so the builder's key
 table stays a plain prefix strip.
 """
@@ -143,7 +143,7 @@ class TargetModel(nn.Module):
         if last_only:
             h = h[:, -1:]
         logits = self.lm_head(self.norm(h))
-        # concatenated in the order of tap_ids (dflash.md §2.3), which need not be sorted
+        # concatenated in the order of tap_ids (docs/algorithm.md §2.3), which need not be sorted
         return logits, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
 
 

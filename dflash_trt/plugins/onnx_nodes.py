@@ -2,8 +2,8 @@
 
 A plugin node is ``DFlashBlockAttention`` in domain ``dflash`` with the schema's attributes plus
 ``plugin_version``/``plugin_namespace``, which the TensorRT ONNX parser uses to find the plugin
-creator (serving.md §4.4). ONNX Runtime runs Python custom ops only in domain ``ai.onnx.contrib``
-(environment.md §4.3), so :func:`to_ort_domain` renames the nodes when a session is created; the file
+creator (docs/serving-notes.md §4.4). ONNX Runtime runs Python custom ops only in domain ``ai.onnx.contrib``
+(docs/environment.md §4.3), so :func:`to_ort_domain` renames the nodes when a session is created; the file
 on disk keeps ``dflash``. Needs ``onnx`` and ``onnxscript`` (the ``onnx`` extra); imported lazily.
 """
 

@@ -1,4 +1,4 @@
-"""Backend registry: every backend registers once, by name, with its capabilities (style R9).
+"""Backend registry: every backend registers once, by name, with its capabilities (docs/style.md R9).
 
 A ``BackendSpec`` says what a backend needs and whether it can run on this machine; the CLI, the
 engine loader and ``Session`` read those capabilities here instead of keeping lists of names.

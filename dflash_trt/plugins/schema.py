@@ -1,20 +1,20 @@
-"""One declaration per custom op of the draft head (architecture.md contract 3, style R9).
+"""One declaration per custom op of the draft head (docs/design.md §3.3, docs/style.md R9).
 
 The drafter's distinctive computation is attention of the block queries over
 ``[injected context K/V ‖ block K/V]``: the context rows are the target's tapped features projected
-by each draft layer (dflash.md §2.4), the block rows are the anchor and mask slots, and the block
-attends to itself bidirectionally (causally and windowed for sliding layers, dflash.md §2.6).
+by each draft layer (docs/algorithm.md §2.4), the block rows are the anchor and mask slots, and the block
+attends to itself bidirectionally (causally and windowed for sliding layers, docs/algorithm.md §2.6).
 Every backend binds to the schema below by name and version:
 
 * torch: ``torch.library`` op ``dflash::block_attention`` (``plugins/torch_ref/ops.py``);
 * ONNX: node ``DFlashBlockAttention`` in domain ``dflash`` (renamed to ``ai.onnx.contrib`` when
-  ONNX Runtime loads it, environment.md §4.3), attributes ``plugin_version``/``plugin_namespace`` so the
-  TensorRT ONNX parser finds the plugin (serving.md §4.4);
+  ONNX Runtime loads it, docs/environment.md §4.3), attributes ``plugin_version``/``plugin_namespace`` so the
+  TensorRT ONNX parser finds the plugin (docs/serving-notes.md §4.4);
 * TensorRT: plugin ``DFlashBlockAttention`` version ``1`` in namespace ``dflash``
   (``plugins/tensorrt/csrc``).
 
 ``abi`` hashes the canonical declaration: it is stamped into every engine manifest, so a graph
-or engine built against another revision of the op is refused at load (serving.md §5).
+or engine built against another revision of the op is refused at load (docs/serving-notes.md §5).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ BLOCK_ATTENTION = OpSchema(
 
 SCHEMAS: dict[str, OpSchema] = {BLOCK_ATTENTION.qualified_name: BLOCK_ATTENTION}
 
-# Which implementation binds each op in each backend; "unsupported" entries must say why (style R9).
+# Which implementation binds each op in each backend; "unsupported" entries must say why (docs/style.md R9).
 # torch: the torch.library op; onnxruntime: the function that registers the custom op; tensorrt: the
 # plugin creator class that the library's getCreators() exports.
 BINDINGS: dict[str, dict[str, str]] = {

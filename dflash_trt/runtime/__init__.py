@@ -1,4 +1,4 @@
-"""Runtime: ``Session`` and the draft-verify loop shared by every backend (lazy exports, style R10)."""
+"""Runtime: ``Session`` and the draft-verify loop shared by every backend (lazy exports, docs/style.md R10)."""
 
 from __future__ import annotations
 

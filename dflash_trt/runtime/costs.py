@@ -27,7 +27,7 @@ class StepCosts:
     ``plain_step`` is a plain decoding step (verify of 1 token + its other work); ``cycle`` a draft-verify
     cycle with ``draft_len`` drafts per row (draft of ``draft_len + 1`` + verify of ``draft_len + 1`` + its
     other work). A cycle commits τ tokens per row (τ includes the bonus), a plain step one, so the speed-up
-    these costs imply is ``τ · plain_step / cycle`` (dflash.md §6): what the forwards allow, before prefill,
+    these costs imply is ``τ · plain_step / cycle`` (docs/algorithm.md §6): what the forwards allow, before prefill,
     the batch shrinking at the end of a wave, and scheduling.
     """
 

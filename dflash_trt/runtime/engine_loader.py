@@ -1,6 +1,6 @@
 """Open an engine folder for ``Session.load``: verify, choose the backend, rebuild the ``ModelPair``.
 
-Order matters (serving.md §5): the manifest's format version is gated first, then the requested
+Order matters (docs/serving-notes.md §5): the manifest's format version is gated first, then the requested
 backend is matched against what the folder holds and what this machine can run (device, TensorRT
 version, plugin ABI; no TensorRT object is created here), then every artefact's sha256 is checked,
 and only then are weights read. Each refusal names the field or file, what was found, what was

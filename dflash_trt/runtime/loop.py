@@ -1,10 +1,10 @@
-"""The draft-verify loop of one request (dflash.md §3.2; parity target: ``dflash_generate`` 0.1.0).
+"""The draft-verify loop of one request (docs/algorithm.md §3.2; parity target: ``dflash_generate`` 0.1.0).
 
 ``RequestState`` holds one request's state and performs each step of a cycle; the scheduler runs
 the forwards of many requests together (a request alone is a one-row batch). A cycle with
 ``draft_len == 0`` runs no drafter: plain autoregressive decoding through the same code, so a
 speed-up measured against it cannot come from harness differences. Timing and stats belong to
-the caller (style R11).
+the caller (docs/style.md R11).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Static mode follows TensorRT-LLM's knobs: ``max_concurrency`` (no drafting above
 requests), ``draft_len_schedule`` (batch size -> draft length, a step function) and
 ``acceptance_rate_threshold`` over a rolling window. ``auto`` maximises expected tokens per second:
 
-    E_r(k) = 1 + Σ_{i=1..k} Π_{j<=i} α_{r,j}        (expected committed tokens of request r, dflash.md §6)
+    E_r(k) = 1 + Σ_{i=1..k} Π_{j<=i} α_{r,j}        (expected committed tokens of request r, docs/algorithm.md §3.6)
     rate(k) = Σ_r E_r(k) / (cost_draft(B_k, k+1) + cost_verify(B, k+1) + overhead_drafting)
     rate(0) = B / (cost_verify(B, 1) + overhead_plain)
 

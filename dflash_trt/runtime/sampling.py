@@ -1,4 +1,4 @@
-"""Logits -> probabilities transform and seeded draws (dflash.md §3.4, reference §3.3).
+"""Logits -> probabilities transform and seeded draws (docs/algorithm.md §3.4, docs/reference-parity.md §3.3).
 
 Everything is float32: divide by T, optional top-k, softmax, optional top-p (keep entries whose
 cumulative mass *before* them is ``< top_p``), renormalise, scatter back to the vocabulary.

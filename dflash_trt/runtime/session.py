@@ -1,4 +1,4 @@
-"""``Session``: load a target/drafter pair once, then ``generate`` or ``stream`` requests (architecture.md).
+"""``Session``: load a target/drafter pair once, then ``generate`` or ``stream`` requests (docs/design.md §2).
 
 One code path serves speculative decoding and plain autoregressive decoding (``block_len=1`` or
 no drafter). Requests are validated here, at the boundary: nothing is truncated or guessed.
@@ -343,6 +343,7 @@ class RequestHandle:
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._ended = threading.Event()  # the last item is queued: result() waits on this, not on every cycle
         self._cancelled = threading.Event()
         self._consume = threading.Lock()
         self._text = ""
@@ -351,6 +352,8 @@ class RequestHandle:
 
     def _deliver(self, item: Cycle | BaseException | None) -> None:
         self._events.put((time.perf_counter(), item))
+        if item is None or isinstance(item, BaseException) or item.finished:
+            self._ended.set()
 
     def cancel(self) -> None:
         """Stop generating; the handle then finishes with ``finish_reason == "cancelled"``."""
@@ -360,6 +363,9 @@ class RequestHandle:
         return self.finish_reason is not None
 
     def __iter__(self) -> Iterator[StreamChunk]:
+        return self._chunks(with_text=True)
+
+    def _chunks(self, with_text: bool) -> Iterator[StreamChunk]:
         with self._consume:
             while self.finish_reason is None:
                 arrived, item = self._events.get()
@@ -370,9 +376,9 @@ class RequestHandle:
                     self.finish_reason = "cancelled"
                     yield StreamChunk([], "", True, "cancelled", arrived)
                     return
-                yield self._chunk(arrived, item)
+                yield self._chunk(arrived, item, with_text)
 
-    def _chunk(self, arrived: float, cycle: Cycle) -> StreamChunk:
+    def _chunk(self, arrived: float, cycle: Cycle, with_text: bool = True) -> StreamChunk:
         stats = self.stats
         if cycle.prefill:
             stats.ttft_s = arrived - self._submitted
@@ -381,7 +387,7 @@ class RequestHandle:
         self.token_ids += cycle.tokens
         stats.num_output_tokens = len(self.token_ids)
         stats.e2e_s = arrived - self._submitted
-        delta = self._text_delta(cycle.finished)
+        delta = self._text_delta(cycle.finished) if with_text or cycle.finished else ""
         if cycle.finished:
             self.finish_reason = "stop" if cycle.stopped else "length"
         return StreamChunk(cycle.tokens, delta, cycle.finished, self.finish_reason, arrived)
@@ -408,7 +414,11 @@ class RequestHandle:
         return delta
 
     def result(self) -> GenerationResult:
-        """Wait for the end of the request (consuming any chunks not yet iterated)."""
-        for _ in self:
+        """Wait for the end of the request (consuming any chunks not yet iterated).
+
+        The worker wakes this thread once, when the request ends, not once per cycle (each wake-up costs the
+        worker a GIL hand-over mid-step), and the text is decoded once, from all tokens."""
+        self._ended.wait()
+        for _ in self._chunks(with_text=False):
             pass
         return GenerationResult(self.prompt_ids, self.token_ids, self._text, self.finish_reason, self.stats)

@@ -1,6 +1,6 @@
-"""``SpecStats``: speculative-decoding counters and the metrics derived from them (dflash.md §6).
+"""``SpecStats``: speculative-decoding counters and the metrics derived from them (docs/algorithm.md §6).
 
-Data only (style R11): the loop reports each cycle with :meth:`SpecStats.observe`; sinks (CLI
+Data only (docs/style.md R11): the loop reports each cycle with :meth:`SpecStats.observe`; sinks (CLI
 JSON, benchmark reports, Triton outputs, Prometheus) read the properties. τ includes the bonus token.
 """
 
@@ -101,7 +101,7 @@ class SpecStats:
         return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """Every counter and metric under the names of dflash.md §6 (JSON-ready)."""
+        """Every counter and metric under the names of docs/algorithm.md §6 (JSON-ready)."""
         return {
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": self.num_output_tokens,

@@ -1,4 +1,4 @@
-"""Pure acceptance math for one draft-verify cycle (dflash.md §3.3-3.4, style R3).
+"""Pure acceptance math for one draft-verify cycle (docs/algorithm.md §3.3-3.4, docs/style.md R3).
 
 Index convention: a block has slots ``0..K`` (slot 0 = anchor); draft slot ``k`` proposes the
 token at ``start + k``; target row ``k`` predicts ``start + k + 1``, so draft slot ``k`` is

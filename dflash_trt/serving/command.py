@@ -1,4 +1,4 @@
-"""``dflash-trt triton export|serve``: thin click commands over ``triton_repo`` and ``triton_server`` (style R13)."""
+"""``dflash-trt triton export|serve``: thin click commands over ``triton_repo`` and ``triton_server`` (style.md R13)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Prometheus sinks for ``SpecStats`` (style R11: the data stays in ``SpecStats``; sinks only read it).
+"""Prometheus sinks for ``SpecStats`` (docs/style.md R11: the data stays in ``SpecStats``; sinks only read it).
 
-Counter names follow serving.md §8 (the vLLM ``spec_decode`` names under a ``dflash_`` prefix):
+Counter names follow docs/serving-notes.md §8 (the vLLM ``spec_decode`` names under a ``dflash_`` prefix):
 ``dflash_spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` plus per-position counters labelled
-``position`` (0-based draft slot). Per-position rates use per-position denominators (dflash.md §6):
+``position`` (0-based draft slot). Per-position rates use per-position denominators (docs/algorithm.md §6):
 ``rate[i] = accepted_per_pos[i] / drafted_per_pos[i]``.
 
 * ``SpecMetrics``: running totals for one process, rendered as Prometheus text (``render``).

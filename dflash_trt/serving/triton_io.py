@@ -1,7 +1,7 @@
 """The tensor contract of the exported Triton model: names, dtypes, dims, request parsing, response tensors.
 
-Names follow the TensorRT-LLM ensemble user I/O (serving.md §6.2: ``text_input``, ``max_tokens``, ``stop_words``,
-``stream`` ... -> ``text_output``) plus the per-request speculation outputs of §9.7 (``acceptance_length`` = τ,
+Names follow the TensorRT-LLM ensemble user I/O (serving-notes.md §6.2: ``text_input``, ``max_tokens``, ``stop_words``,
+``stream`` ... -> ``text_output``) plus the per-request speculation outputs of §9 item 7 (``acceptance_length`` = τ,
 ``num_draft_tokens``, ``num_accepted_draft_tokens``). One table (``INPUTS``/``OUTPUTS``) feeds both the generated
 ``config.pbtxt`` and the parser, so the two cannot drift. Pure numpy: the thin Triton template
 (``templates/triton_model.py``) wraps these arrays into ``pb_utils.Tensor``; tests call them directly.

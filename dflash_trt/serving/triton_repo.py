@@ -1,13 +1,13 @@
 """``dflash-trt triton export``: write a Triton model repository for a dflash_trt engine or checkpoint pair.
 
-Output (serving.md §6.1, style R14)::
+Output (docs/serving-notes.md §6.1, docs/style.md R14)::
 
     repo/NAME/config.pbtxt      generated here from the typed export config and the triton_io tensor table
     repo/NAME/1/model.py        the fixed thin template (package data: serving/templates/triton_model.py)
 
 The model reads its engine folder (or checkpoint paths) from ``parameters``; the decoupled transaction policy is
 set from ``--streaming`` and re-checked by the template at load. ``check_model_config`` is the offline validation
-of serving.md §6.5 (tritonclient's ``model_config_pb2``). The TensorRT-LLM ``llmapi`` variant for GPU deployments
+of serving-notes.md §6.5 (tritonclient's ``model_config_pb2``). The TensorRT-LLM ``llmapi`` variant for GPU deployments
 is written by ``triton_llmapi``.
 """
 
@@ -216,7 +216,7 @@ def _have_tritonclient() -> bool:
 
 
 def load_model_config(path: Path):
-    """Parse ``config.pbtxt`` into ``tritonclient.grpc.model_config_pb2.ModelConfig`` (serving.md §6.5)."""
+    """Parse ``config.pbtxt`` into ``tritonclient.grpc.model_config_pb2.ModelConfig`` (docs/serving-notes.md §6.5)."""
     try:
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2

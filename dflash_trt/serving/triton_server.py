@@ -1,4 +1,4 @@
-"""Locate and run the tritonserver bundled in nvidia-pytriton on 127.0.0.1 (environment.md §8.3).
+"""Locate and run the tritonserver bundled in nvidia-pytriton on 127.0.0.1 (docs/environment.md §8.3).
 
 nvidia-pytriton 0.7.0 ships a real tritonserver 2.51 (CPU works), the python backend and one
 ``triton_python_backend_stub`` per Python version. To serve our own repository without pytriton's API:

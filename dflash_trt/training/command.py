@@ -1,7 +1,7 @@
 """``dflash-trt train`` and ``dflash-trt eval``: thin click commands over ``training.run.train`` and ``evaluate``.
 
 Registered by ``dflash_trt/cli.py`` (``main.add_command``). Heavy imports happen inside the
-commands so ``dflash-trt --help`` stays cheap (style R10). Bad input raises a ``DFlashError``
+commands so ``dflash-trt --help`` stays cheap (docs/style.md R10). Bad input raises a ``DFlashError``
 (``TrainingError``), which the CLI prints as one line with exit code 2.
 """
 
@@ -33,7 +33,7 @@ Examples:
   dflash-trt eval
   dflash-trt eval --draft drafters/stories-b16 --block-len 8 --json
   dflash-trt eval --temperature 0.7 --proposal sampled --seeds 3 --max-new-tokens 128
-  dflash-trt eval --prompts ../shared/assets/eval/gsm8k/test.jsonl --limit 20 --max-new-tokens 256
+  dflash-trt eval --prompts dflash_trt/bench/prompts/gsm8k.jsonl --limit 20 --max-new-tokens 256
   dflash-trt eval --target ./tiny-qwen3 --draft drafters/tiny --prompts prompts.txt
 """
 

@@ -1,7 +1,7 @@
 """Prompt sets for distillation and evaluation: text files, JSONL (optionally gzipped) and story files.
 
 * ``.txt`` with ``<|endoftext|>`` separators (TinyStories): one prompt per story, its first sentence
-  (the held-out protocol of assets.md §5).
+  (the held-out protocol of docs/assets.md §5).
 * other ``.txt``: one prompt per non-empty line.
 * ``.jsonl`` / ``.jsonl.gz`` / ``.json`` (array): the first present field of :data:`PROMPT_FIELDS`;
   ``turns`` (MT-Bench, Spec-Bench) uses the first turn.
@@ -72,5 +72,5 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
 
 def heldout_prompts_path() -> Path:
     """The 21 held-out TinyStories prompts: the first sentence of each story of TinyStories-valid-head21.txt
-    (assets.md §5), shipped with the benchmark's prompt sets. Never used for training."""
+    (docs/assets.md §5), shipped with the benchmark's prompt sets. Never used for training."""
     return Path(str(resources.files("dflash_trt") / "bench" / "prompts" / "tinystories.jsonl"))

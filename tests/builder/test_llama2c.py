@@ -1,4 +1,4 @@
-"""The embedded llama2.c stories260K target reproduces its published golden outputs (assets.md §4), and the
+"""The embedded llama2.c stories260K target reproduces its published golden outputs (docs/assets.md §4), and the
 loader's rotate-half conversion equals an independent interleaved-RoPE forward written here in numpy (§2.4)."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_default_stop_ids_end_generation_at_a_new_story(session: Session):
         assert stops == [len(result.token_ids) - 1]
 
 
-# --- an independent forward, straight from the byte layout of assets.md §2.3-2.4 -------------------------------
+# --- an independent forward, straight from the byte layout of docs/assets.md §2.3-2.4 -------------------------------
 
 
 def read_llama2c_numpy(path) -> tuple[dict, dict[str, np.ndarray]]:

@@ -1,4 +1,4 @@
-"""Every refusal of the checkpoint loaders, and the layout variants they must accept (dflash.md §5).
+"""Every refusal of the checkpoint loaders, and the layout variants they must accept (docs/algorithm.md §5).
 
 A refusal is only useful if it says what to do: each test checks that the message names the
 field (or file, or tensor), the value found, and carries a ``Fix:``. Checkpoints are the zoo's tiny

@@ -36,7 +36,7 @@ def test_manifest_records_sources_configs_artefacts_and_tools(torch_engine):
     manifest = read_manifest(torch_engine)
     assert manifest.format_version == FORMAT_VERSION and manifest.backends == ("torch",)
     assert set(manifest.sources) == {"target", "draft"}
-    assert manifest.sources["target"].files["stories260K.bin"].startswith("b0a507e7")  # assets.md §2.1
+    assert manifest.sources["target"].files["stories260K.bin"].startswith("b0a507e7")  # docs/assets.md §2.1
     assert manifest.dflash.block_len == 4 and manifest.dflash.target_layer_ids == (1, 2)
     assert {a.role for a in manifest.artefacts} == {"target_weights", "draft_weights", "tokenizer"}
     assert manifest.tools["torch"] and "tensorrt" in manifest.tools and manifest.tensorrt is None

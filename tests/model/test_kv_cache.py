@@ -1,4 +1,4 @@
-"""Static KV cache (dflash_trt/model/kv_cache.py): exact crop, fixed buffers (dflash.md §3.5, style R5).
+"""Static KV cache (dflash_trt/model/kv_cache.py): exact crop, fixed buffers (docs/algorithm.md §3.5, docs/style.md R5).
 
 Cropping is bookkeeping: rows past the committed length are stale and the next write overwrites
 them, so a write after a crop must give exactly what a fresh cache fed only the kept rows gives.

@@ -1,5 +1,5 @@
 """plugins/schema.py: one declaration per op, a pinned ABI stamp, and a binding in every backend that really
-exists and matches the declaration (style R9)."""
+exists and matches the declaration (docs/style.md R9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Greedy speculative decoding is lossless: it emits exactly the target's own greedy tokens (dflash.md §3.3).
+"""Greedy speculative decoding is lossless: it emits exactly the target's own greedy tokens (docs/algorithm.md §3.3).
 
 Property-based over tiny random Llama and Qwen3 targets (untied and tied heads), random and distilled
 drafters (full-attention, sliding-window, more taps than layers), random prompts, block lengths 1..16

@@ -1,4 +1,4 @@
-"""Speculative sampling is distribution-preserving (lossless), for both proposal modes (dflash.md §3.4).
+"""Speculative sampling is distribution-preserving (lossless), for both proposal modes (docs/algorithm.md §3.4).
 
 * ``greedy``: variant A, argmax draft + one-hot rejection (``accept_onehot``);
 * ``sampled``: variant B, draft sampled from q + standard rejection (``accept_rejection``).
@@ -181,7 +181,7 @@ CONTROL_TRIALS_B = 400
 def tiny_pair(tmp_path_factory, torch_execution):
     """A vocab-8 Qwen3 target (transformers, saved with ``save_pretrained``) and an informative drafter.
 
-    The drafter's ``DraftConfig`` is copied from the loaded target's config (dflash.md §2.2). Its layer
+    The drafter's ``DraftConfig`` is copied from the loaded target's config (docs/algorithm.md §2.2). Its layer
     outputs are scaled down and its final norm weight is solved so that the mask slots propose roughly
     the target's average next-token distribution: a random drafter is rejected almost always, which
     would leave the acceptance path untested. Returns ``(session, hf_model)``.
@@ -229,7 +229,7 @@ def tiny_pair(tmp_path_factory, torch_execution):
 
 
 def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Independent float64 transform (dflash.md §3.4): /T, top-k, softmax, top-p with mass-before < top_p.
+    """Independent float64 transform (docs/algorithm.md §3.4): /T, top-k, softmax, top-p with mass-before < top_p.
 
     Refuses near-ties at the top-k or top-p boundary, where float32 and float64 could disagree."""
     z = logits.astype(np.float64) / temperature

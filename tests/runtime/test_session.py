@@ -1,7 +1,7 @@
 """``Session`` (dflash_trt/runtime/session.py): request validation at the boundary, streaming,
-stop tokens, seeds and the loop invariant ``1 + Σ acceptance_lengths == new tokens`` (dflash.md §3.2).
+stop tokens, seeds and the loop invariant ``1 + Σ acceptance_lengths == new tokens`` (docs/algorithm.md §3.2).
 
-Validation errors are ``RequestError`` (style R7): the message names what was found and the fix.
+Validation errors are ``RequestError`` (docs/style.md R7): the message names what was found and the fix.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``SpecStats`` counters and metrics (dflash_trt/runtime/stats.py) against dflash.md §6.
+"""``SpecStats`` counters and metrics (dflash_trt/runtime/stats.py) against docs/algorithm.md §6.
 
 τ includes the bonus token; per-position acceptance divides by the cycles that drafted that
 position (a shrunk block near the end drafts fewer); the histogram counts cycles by accepted drafts.

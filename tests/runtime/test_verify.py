@@ -1,4 +1,4 @@
-"""Acceptance math (dflash_trt/runtime/verify.py, dflash.md §3.3-3.4) against brute-force Python loops.
+"""Acceptance math (dflash_trt/runtime/verify.py, docs/algorithm.md §3.3-3.4) against brute-force Python loops.
 
 Each rule is re-implemented here as the slowest obvious loop over draft slots: compare, stop at
 the first reject, pick the bonus. The randomised rules consume the generator in a documented

@@ -1,4 +1,4 @@
-"""Prometheus sinks read SpecStats and render the serving.md §8 counter names (the Triton path is proven against
+"""Prometheus sinks read SpecStats and render the serving-notes.md §8 counter names (the Triton path is proven against
 the real server in test_triton_server.py)."""
 
 from __future__ import annotations

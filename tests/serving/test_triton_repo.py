@@ -1,5 +1,5 @@
 """`dflash-trt triton export` without a server: generated configs parse into tritonclient's ModelConfig and hold
-what the template relies on; hand edits and bad sources are refused; the template stays thin (style R14)."""
+what the template relies on; hand edits and bad sources are refused; the template stays thin (docs/style.md R14)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The official ``dflash`` 0.1.0 loads and runs a drafter made by ``dflash-trt train`` (reference-implementation §4).
+"""The official ``dflash`` 0.1.0 loads and runs a drafter made by ``dflash-trt train`` (docs/reference-parity.md §4).
 
 A tiny transformers Qwen3 target (``save_pretrained``) is distilled with the ``train`` command; the
 reference then loads the output folder with its own ``DFlashDraftModel.from_pretrained`` and runs

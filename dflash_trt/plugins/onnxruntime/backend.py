@@ -1,7 +1,7 @@
 """The ``onnxruntime`` backend: the engine's batched ONNX graphs on ONNX Runtime (CPU by default).
 
 Each network keeps one static float32 KV cache on the host, ``[max_batch, layers, nkv, max_seq_len, d]``
-(one slot per request), allocated at setup (style R5). A forward binds the cache rows of its requests to
+(one slot per request), allocated at setup (docs/style.md R5). A forward binds the cache rows of its requests to
 the graph in place through I/O binding (a contiguous run of slots is a view of the buffer: no copy; the
 scheduler keeps active requests in slot order so a batch usually is one) and writes back only the K/V rows
 the graph returns, at each row's positions (``builder/export_onnx.py`` describes the I/O). Cropping is
@@ -34,7 +34,7 @@ def _session_options(quant_mode: str, small_model: bool = False):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    # FP8 Q/DQ graphs are miscompiled by ORT's extended optimisations (environment.md §5)
+    # FP8 Q/DQ graphs are miscompiled by ORT's extended optimisations (docs/environment.md §5)
     options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if quant_mode != "none"
                                         else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     threads = os.environ.get(THREADS_ENV)

@@ -3,7 +3,7 @@
 An independent implementation of ``plugins/schema.py``'s attention (only the visibility rule,
 ``model.block_attention.visible``, is shared), held to the torch reference by
 ``tests/plugins/onnxruntime/test_ort_ops.py``. It is registered through onnxruntime-extensions, whose
-Python ops run only under the ``ai.onnx.contrib`` domain (environment.md §4.3): graphs are renamed
+Python ops run only under the ``ai.onnx.contrib`` domain (docs/environment.md §4.3): graphs are renamed
 with ``plugins.onnx_nodes.to_ort_domain`` before a session is created. Outputs travel through
 Python, so this op is for parity and portability, not speed: the engine's default drafter graph
 uses standard ONNX ops instead (``builder/export_onnx.py``).

@@ -2,7 +2,7 @@
 
 The plans are built from the same batched ONNX graphs as the ``onnxruntime`` backend (``builder/export_onnx.py``
 describes their I/O). Each network keeps one static KV cache on the GPU, ``[max_batch, layers, nkv, S, d]``
-(one slot per request), allocated at setup with every input and gather buffer (style R5). A forward binds
+(one slot per request), allocated at setup with every input and gather buffer (docs/style.md R5). A forward binds
 the cache rows of its requests in place (a contiguous run of slots is a view; other sets are gathered into a
 preallocated buffer), runs ``execute_async_v3`` on the current CUDA stream and writes back only the K/V rows
 the plan returns. Logits, taps and drafts stay on the GPU (``outputs_device``): the backend makes no

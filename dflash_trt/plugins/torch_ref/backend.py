@@ -1,6 +1,6 @@
 """Torch reference backend: ``TargetModel`` + ``DraftHead`` with static caches allocated at setup.
 
-The drafter borrows the target's embedding (× ``input_embedding_scale``) and LM head (dflash.md §2.8).
+The drafter borrows the target's embedding (× ``input_embedding_scale``) and LM head (docs/algorithm.md §2.8).
 Rows of several requests share one forward (``target_batch``/``draft_batch``); a single request in
 slot 0 takes the batch-1 methods, so a request alone runs exactly as it always has.
 
@@ -88,7 +88,7 @@ class TorchBackend:
         assert self.draft_model is not None and self.draft_cache is not None, "draft() needs a drafter"
         hidden = self.draft_model(self._block_embeds(block), taps.unsqueeze(0), start, self.draft_cache)
         logits = self.draft_model.logits(hidden, self.target_model.lm_head.weight)
-        # crop to start: block K/V never survive a cycle (dflash.md §3.5)
+        # crop to start: block K/V never survive a cycle (docs/algorithm.md §3.5)
         self.draft_cache.crop(start)
         return logits[0]
 
@@ -202,6 +202,6 @@ class TorchBackend:
                                  cache.values)
         if logits is None:
             return None
-        # the context rows stay; block K/V never survive a cycle (dflash.md §3.5)
+        # the context rows stay; block K/V never survive a cycle (docs/algorithm.md §3.5)
         cache.commit_rows(tuple(r.slot for r in rows), tuple(r.start for r in rows))
         return [logits[i, :len(r.block) - 1] for i, r in enumerate(rows)]

@@ -1,5 +1,5 @@
 """Triton python-backend model for dflash_trt, written by `dflash-trt triton export` (re-export, do not edit).
-Thin (style R14): tensors in dflash_trt.serving.triton_io, metrics in .metrics, the algorithm in dflash_trt.runtime.
+Thin (style.md R14): tensors in dflash_trt.serving.triton_io, metrics in .metrics, the algorithm in dflash_trt.runtime.
 Each request gets its own response (or stream ending in COMPLETE_FINAL); a bad one never takes the model down."""
 
 import json
