@@ -1,4 +1,4 @@
-"""``TrainConfig``: every setting of one drafter-training run, frozen and validated once (style R6).
+"""``TrainConfig``: every setting of one drafter-training run, frozen and validated once (docs/style.md R6).
 
 The CLI builds it from flags; ``training.json`` records it next to the trained drafter, so a run
 can be repeated exactly. Defaults give a small, quick run; the flags of the shipped stories260K
@@ -19,7 +19,7 @@ DEFAULT_BATCH_SIZE = 8  # sequences per rank and step when neither batch size is
 
 
 class DataConfig(BaseModel):
-    """How the target writes its own training text (dflash.md §4 "data")."""
+    """How the target writes its own training text (docs/algorithm.md §4 "data")."""
 
     model_config = _FROZEN
     prompts: Path | None = Field(default=None, description="Prompt file (.txt/.jsonl) whose prompts the target "

@@ -1,4 +1,4 @@
-"""Self-distillation data: the target writes its own training text (dflash.md §4 "data", assets.md §7).
+"""Self-distillation data: the target writes its own training text (docs/algorithm.md §4 "data", docs/assets.md §7).
 
 The drafter must predict what the *target* will say, so the target generates the training
 sequences itself, in its own vocabulary. Prompts of equal length are generated together in one
