@@ -1,7 +1,7 @@
 """Where a build is written before it becomes ``engines/NAME``, and what a build may replace.
 
 ``build_engine`` writes into a hidden sibling ``.NAME.tmp-PID-XXXXXXXX`` and renames it into place
-only when the manifest is complete (docs/architecture.md, the engine-folder contract). This module
+only when the manifest is complete (docs/design.md §3.1, the engine-folder contract). This module
 owns that folder's life:
 
 * ``check_replaceable``: ``--force`` replaces only an engine folder (a dflash-trt ``manifest.json``
