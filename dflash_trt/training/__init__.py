@@ -1,4 +1,4 @@
-"""Drafter training by self-distillation (dflash.md §4): data, objective, trainer, evaluation, commands.
+"""Drafter training by self-distillation (docs/algorithm.md §4): data, objective, trainer, evaluation, commands.
 
 Public API::
 

@@ -1,4 +1,4 @@
-"""The distillation corpus of one run: generated once, cached on disk, identified by a hash (dflash.md §4).
+"""The distillation corpus of one run: generated once, cached on disk, identified by a hash (docs/algorithm.md §4).
 
 The cache key covers everything that determines the tokens: the target checkpoint's sha256, the
 data settings, the prompt file's sha256 and the seed. The corpus file is JSON (a list of token-id

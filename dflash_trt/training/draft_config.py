@@ -1,4 +1,4 @@
-"""A fresh drafter's config derived from its target (dflash.md §2.2, §2.3).
+"""A fresh drafter's config derived from its target (docs/algorithm.md §2.2, §2.3).
 
 The drafter copies the target's width, heads, MLP width, norm epsilon, RoPE, vocabulary and
 maximum positions, so the two share embeddings, LM head and absolute positions. Only the depth,
@@ -17,7 +17,7 @@ def draft_config_for(target: TargetConfig, *, num_layers: int = 1, block_len: in
                      intermediate_size: int | None = None) -> DraftConfig:
     """A full-attention DFlash drafter for ``target`` with ``num_layers`` layers and ``block_len`` slots.
 
-    ``target_layer_ids`` defaults to ``build_target_layer_ids(N, num_layers)`` (dflash.md §2.3).
+    ``target_layer_ids`` defaults to ``build_target_layer_ids(N, num_layers)`` (docs/algorithm.md §2.3).
     ``intermediate_size`` defaults to the target's; a wider MLP is a cheap way to add capacity to a
     drafter of a very small target (the z-lab format stores it, so every loader accepts it).
     """

@@ -1,8 +1,9 @@
-"""Acceptance of a drafter on a prompt set through the real serving path (``Session``; dflash.md §6).
+"""Acceptance of a drafter on a prompt set through the real serving path (``Session``; docs/algorithm.md §6).
 
 τ is measured the way users will see it: the same draft-verify loop, at a given block length and
 number of new tokens; greedy by default, or sampled at a temperature with either proposal mode
-(dflash.md §3.4; each prompt then runs ``seeds`` times, with request seed ``1000 * repeat + prompt index``). Counters of all prompts are merged, so τ is the mean of the
+(docs/algorithm.md §3.4; each prompt then runs ``seeds`` times, with request seed
+``1000 * repeat + prompt index``). Counters of all prompts are merged, so τ is the mean of the
 per-cycle acceptance lengths over every cycle of every prompt (the bonus token included).
 Prompts that leave no room for ``max_new_tokens`` in the target's context are skipped and counted.
 """

@@ -1,4 +1,4 @@
-"""``train``: one full drafter-training run, from a target checkpoint to a z-lab drafter folder (dflash.md §4, §5).
+"""``train``: one drafter-training run, from a target checkpoint to a z-lab drafter folder (docs/algorithm.md §4, §5).
 
 Steps: load the target; get the self-distilled corpus (cached on disk by target sha256 + data
 settings); train with :class:`~dflash_trt.training.trainer.Distiller`, writing a resumable
@@ -62,7 +62,8 @@ def resolve_mask_token_id(config: TrainConfig, target: TargetModel, llama2c: boo
 
 def settings_for(config: TrainConfig, steps: int, world: World) -> DistillSettings:
     return DistillSettings(steps=steps, seed=config.seed, lr=config.lr,
-                           batch_size=config.resolved_global_batch(world.world_size), micro_batch=config.batch_size, max_anchors=config.max_anchors,
+                           batch_size=config.resolved_global_batch(world.world_size), micro_batch=config.batch_size,
+                           max_anchors=config.max_anchors,
                            warmup_ratio=config.warmup_ratio, min_lr_ratio=config.min_lr_ratio,
                            weight_decay=config.weight_decay, grad_clip=config.grad_clip, gamma=config.gamma,
                            labels=config.labels, kl_weight=config.kl_weight, kl_temperature=config.kl_temperature,

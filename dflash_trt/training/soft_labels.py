@@ -1,4 +1,4 @@
-"""Distillation to the target's full next-token distribution: soft labels and the decayed block KL (dflash.md §4).
+"""Distillation to the target's full next-token distribution: soft labels, the decayed block KL (docs/algorithm.md §4).
 
 The hard-label objective (``objective.weighted_block_loss``) teaches the drafter the target's argmax,
 which is all greedy serving checks. Sampled serving accepts a draft with probability ``p(x)``

@@ -1,4 +1,4 @@
-"""The distillation loop: frozen target, trainable ``DraftHead``, AdamW with warm-up + cosine decay (dflash.md §4).
+"""The distillation loop: frozen target, trainable ``DraftHead``, AdamW, warm-up + cosine decay (docs/algorithm.md §4).
 
 :class:`Distiller` owns everything that changes during training (drafter weights, optimiser,
 RNG, position in the epoch) and can snapshot and restore it exactly, so a resumed run is
@@ -216,7 +216,7 @@ class Distiller:
     def batch_loss(self, indices: list[int], anchor_sets: list[Tensor]) -> tuple[Tensor, float, int, int]:
         """Loss of one micro-batch: ``(weighted mean loss, its total slot weight, accepted drafts, blocks)``.
 
-        Labels (dflash.md §4 "labels"): ``data`` uses the sequence's own tokens (SpecForge); ``target``
+        Labels (docs/algorithm.md §4 "labels"): ``data`` uses the sequence's own tokens (SpecForge); ``target``
         uses the target's argmax after the true prefix, ``argmax p(· | ids[:a+k])`` for slot k (speculators'
         "verifier argmax"): exactly what greedy serving commits at slot 1, even on sampled text. With
         ``kl_weight > 0`` the loss mixes in the KL to the target's full distribution (``soft_labels.py``).

@@ -116,7 +116,8 @@ def one_rank(tmp_path_factory, cache, two_ranks) -> Path:
 
 
 def test_two_ranks_train_the_drafter_one_process_trains(two_ranks, one_rank):
-    two, one = json.loads((two_ranks / "training.json").read_text()), json.loads((one_rank / "training.json").read_text())
+    two = json.loads((two_ranks / "training.json").read_text())
+    one = json.loads((one_rank / "training.json").read_text())
     assert two["distributed"]["world_size"] == 2 and one["distributed"]["world_size"] == 1
     assert two["distributed"]["global_batch"] == one["distributed"]["global_batch"] == 4
     assert [s["global_batch_rows"] for s in two["distributed"]["shards"]] == [[0, 2], [2, 4]]

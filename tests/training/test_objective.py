@@ -1,4 +1,4 @@
-"""The DFlash training objective (dflash.md §4): anchors, block inputs/labels, the block-diagonal mask, the loss."""
+"""The DFlash training objective (docs/algorithm.md §4): anchors, block inputs and labels, the block mask, the loss."""
 
 from __future__ import annotations
 
