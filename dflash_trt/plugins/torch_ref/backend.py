@@ -43,6 +43,8 @@ def compiler_from_env() -> str | None:
 
 
 class TorchBackend:
+    """``compiler``: ``None`` (eager forwards), one of ``COMPILERS``, or ``"env"`` (read ``DFLASH_TORCH_COMPILE``)."""
+
     name = "torch"
 
     def __init__(self, pair: ModelPair, max_seq_len: int, max_batch: int = 1, compiler: str | None = "env") -> None:
