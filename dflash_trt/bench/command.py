@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import shlex
 import sys
 from pathlib import Path
@@ -76,7 +77,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
     from dflash_trt.bench.peers import available_peers
     from dflash_trt.bench.report import build_report, conditions, cost_line, write_report
     from dflash_trt.runtime.policy import SpeculationConfig
-    from dflash_trt.runtime.session import Session
+    from dflash_trt.runtime.session import Session, freeze_loaded_objects
 
     config = BenchConfig(
         datasets=tuple(d for d in datasets.split(",") if d), prompts_file=prompts_file, num_prompts=num_prompts,
@@ -97,13 +98,19 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
     prompt_sets = load_prompt_sets(config)
     peers, notes = ({}, ["peers disabled (--no-peers)"]) if no_peers else available_peers(
         session.pair.target, session.pair.draft_path, session.pair.target.config.eos_token_ids)
-    with Progress(transient=True) as bar:
-        task = bar.add_task("benchmark", total=None)
+    # the sessions, weights and peers live through the timed waves: out of the cyclic GC's reach meanwhile (a full
+    # collection scanning them stalled batch-64 steps by 100+ ms), back in once the waves are done
+    freeze_loaded_objects()
+    try:
+        with Progress(transient=True) as bar:
+            task = bar.add_task("benchmark", total=None)
 
-        def progress(label: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total, description=label)
+            def progress(label: str, done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total, description=label)
 
-        cells = run_benchmark(session, config, peers, progress, adaptive)
+            cells = run_benchmark(session, config, peers, progress, adaptive)
+    finally:
+        gc.unfreeze()
     command = "dflash-trt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     report = build_report(cells, config, conditions(session, config, prompt_sets, notes, command))
     for path in write_report(report, out):

@@ -87,6 +87,9 @@ def serve(config: ServeConfig, announce=print) -> None:
 
     listener = _listen(config.host, config.port)  # before loading: a busy port fails in a second, not after
     app, model = build_app(config)
+    from dflash_trt.runtime.session import freeze_loaded_objects
+
+    freeze_loaded_objects()  # this process serves one session until it exits: no full GC scans of the weights
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=config.drain_timeout_s))
     host, port = listener.getsockname()[:2]
