@@ -13,7 +13,6 @@ is written by ``triton_llmapi``.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -23,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from dflash_trt.errors import BackendUnavailableError, ServingError
 from dflash_trt.serving import triton_io as io
+from dflash_trt.serving.model_folder import replace_model_folder
 
 TEMPLATE = ("templates", "triton_model.py")
 MODEL_VERSION = "1"
@@ -142,11 +142,7 @@ def export_repository(config: TritonExportConfig) -> ExportResult:
     """Write ``repo/NAME/config.pbtxt`` and ``repo/NAME/1/model.py``; validate the config when tritonclient is here."""
     _check_source(config)
     model_dir = config.repo / config.name
-    if model_dir.exists():
-        if not config.force:
-            raise ServingError(f"{model_dir}: already exists; expected a new model folder. Fix: pass --force to "
-                               "replace it, or --name to write another model.")
-        shutil.rmtree(model_dir)
+    replace_model_folder(model_dir, {"config.pbtxt", f"{MODEL_VERSION}/model.py"}, config.force)
     (model_dir / MODEL_VERSION).mkdir(parents=True)
     config_path = model_dir / "config.pbtxt"
     config_path.write_text(render_config(config), encoding="utf-8")
