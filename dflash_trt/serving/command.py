@@ -71,7 +71,7 @@ def export_command(engine, backend, target, draft, repo, name, streaming, instan
     """Write repo/NAME/config.pbtxt and repo/NAME/1/model.py (a thin python-backend model)."""
     from pydantic import ValidationError
 
-    from dflash_trt.errors import RequestError
+    from dflash_trt.errors import RequestError, validation_error
     from dflash_trt.serving.triton_repo import TritonExportConfig, export_repository
 
     try:
@@ -80,7 +80,9 @@ def export_command(engine, backend, target, draft, repo, name, streaming, instan
                                     max_batch_size=max_batch_size,
                                     force=force, llmapi_repo=llmapi_repo, llmapi_model=llmapi_model)
     except ValidationError as exc:
-        raise RequestError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        if not exc.errors()[0]["loc"]:  # a rule across options: its message names them and the fix
+            raise RequestError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        raise validation_error(RequestError, "triton export", exc, "see `dflash-trt triton export --help`.") from None
     result = export_repository(config)
     written = {"model": str(result.model_dir), "config": str(result.config_path), "model_py": str(result.model_path),
                "llmapi": str(result.llmapi_dir) if result.llmapi_dir else None}
@@ -111,6 +113,9 @@ def serve_command(repo, http_port, grpc_port, metrics_port, ready_timeout, log_v
     from dflash_trt.errors import ServingError
     from dflash_trt.serving.triton_server import TritonServer
 
+    if not any(repo.glob("*/config.pbtxt")):
+        raise ServingError(f"{repo}: holds no model (no NAME/config.pbtxt); expected a model repository. Fix: write "
+                           f"one with `dflash-trt triton export --repo {repo}`, or pass the --repo it wrote.")
     server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port or None,
                           log_verbose=log_verbose)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, docker stop, systemd: the same clean stop as Ctrl-C

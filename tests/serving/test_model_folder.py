@@ -58,3 +58,14 @@ def test_a_plain_file_or_a_link_is_refused_with_force(tmp_path, kind):
         replace_model_folder(path, FILES, force=True)
     assert (target / "config.pbtxt").read_text() == "keep"
     assert path.exists()
+
+
+def test_a_bad_model_name_is_refused_naming_the_field(tmp_path):
+    result = CliRunner().invoke(main, ["triton", "export", "--repo", str(tmp_path), "--name", "../x"])
+    assert "field `name` is '../x'" in str(result.exception)
+    assert not (tmp_path.parent / "x").exists()
+
+
+def test_serve_refuses_a_repository_with_no_model(tmp_path):
+    result = CliRunner().invoke(main, ["triton", "serve", "--repo", str(tmp_path)])
+    assert isinstance(result.exception, ServingError) and "holds no model" in str(result.exception)
