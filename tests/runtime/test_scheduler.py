@@ -114,9 +114,13 @@ def test_speculation_policies_are_lossless(zoo, mode):
     assert used <= {0, 1, 2, 3}
 
 
-def test_auto_policy_explores_each_request_then_follows_its_acceptance(zoo):
-    """Every request drafts its full block once (exploration); afterwards a drafter that is always rejected
-    is dropped to plain decoding, and the output never changes."""
+def test_auto_policy_explores_then_drops_an_always_rejected_drafter_losslessly(zoo):
+    """The session explores with a full block (its first plan has a full exploration credit); afterwards a
+    drafter that is always rejected is dropped to plain decoding, and the output never changes.
+
+    Whether a request submitted *after* the first exploration step is explored too depends on that step's
+    measured wall time (it is charged to the credit), i.e. on machine load: that rule is tested with
+    synthetic costs in tests/runtime/test_planner.py, not here."""
     random_draft = DraftSpec(seed=5, block_size=4)
     session = Session.from_checkpoints(zoo.target(TARGET), zoo.drafter(TARGET, random_draft), max_batch=4,
                                        speculation=SpeculationConfig(mode="auto"))
@@ -124,7 +128,7 @@ def test_auto_policy_explores_each_request_then_follows_its_acceptance(zoo):
     results = [h.result() for h in [session.submit([3, i, 7], params) for i in range(4)]]
     plain = [session.generate([3, i, 7], params.model_copy(update={"block_len": 1})) for i in range(4)]
     assert [r.token_ids for r in results] == [p.token_ids for p in plain]
+    assert any(result.stats.draft_lens_used.get(3, 0) >= 1 for result in results)  # an exploration cycle
     for result in results:
         used = result.stats.draft_lens_used
-        assert used.get(3, 0) >= 1  # the exploration cycle
         assert used.get(0, 0) > sum(n for k, n in used.items() if k)  # then mostly plain decoding
