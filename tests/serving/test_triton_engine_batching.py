@@ -2,7 +2,8 @@
 
 Concurrent requests are grouped by Triton's dynamic batcher into fewer model executions than requests, and
 inside an execution they share the engine's batched forwards; every answer still equals plain greedy
-decoding. The exporter refuses to advertise a ``max_batch_size`` the engine was not built for.
+decoding. The exporter refuses to advertise a ``max_batch_size`` the engine was not built for. The engine is the
+shared ``ort-standard`` build of ``tests/engine_builds.py`` (stories260K and a random drafter).
 """
 
 from __future__ import annotations
@@ -24,18 +25,17 @@ from .conftest import READY_TIMEOUT_S, free_port, need_pytriton
 pytest.importorskip("onnxruntime")
 
 MODEL = "dflash_ort_engine"
-ENGINE_BATCH = 8
+SERVED_BATCH = 8  # Triton's max_batch_size: at most the engine's build limit
 PROMPTS = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were", "The sun was",
            "Tom had a red ball", "Max the dog liked to", "It was a cold day", "Sue saw a bird"]
 
 
 @pytest.fixture(scope="module")
 def ort_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ort-engines") / "stories260K-ort"
-    result = CliRunner().invoke(main, ["build", "--backend", "onnxruntime", "--max-batch-size", str(ENGINE_BATCH),
-                                       "--out", str(out), "--json"])
-    assert result.exit_code == 0, result.output
-    return out
+    """The ONNX Runtime engine the builder and plugin tests share (built once per test session)."""
+    from engine_builds import built_engine
+
+    return built_engine(tmp_path_factory.getbasetemp(), "ort-standard", backend="onnxruntime")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def server(ort_engine: Path, tmp_path_factory: pytest.TempPathFactory):
 
     repo = tmp_path_factory.mktemp("ort-repo")
     result = CliRunner().invoke(main, ["triton", "export", "--engine", str(ort_engine), "--repo", str(repo),
-                                       "--name", MODEL, "--max-batch-size", str(ENGINE_BATCH)])
+                                       "--name", MODEL, "--max-batch-size", str(SERVED_BATCH)])
     assert result.exit_code == 0, result.output
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           log_path=tmp_path_factory.mktemp("ort-log") / "tritonserver.log",
@@ -89,10 +89,13 @@ def test_concurrent_requests_share_model_executions_and_equal_plain_decoding(ser
 
 
 def test_export_refuses_a_batch_size_the_engine_was_not_built_for(ort_engine, tmp_path):
+    from dflash_trt.builder.manifest import read_manifest
+
+    built = read_manifest(ort_engine).build.max_batch_size
     result = CliRunner().invoke(main, ["triton", "export", "--engine", str(ort_engine), "--repo", str(tmp_path),
-                                       "--max-batch-size", str(2 * ENGINE_BATCH)])
+                                       "--max-batch-size", str(2 * built)])
     assert isinstance(result.exception, ServingError)  # the console entry turns it into one line, exit 2
     message = str(result.exception)
-    assert f"--max-batch-size is {2 * ENGINE_BATCH}" in message
-    assert f"--max-batch-size {ENGINE_BATCH} or less" in message  # the fix names the engine's limit
+    assert f"--max-batch-size is {2 * built}" in message
+    assert f"--max-batch-size {built} or less" in message  # the fix names the engine's limit
     assert not (tmp_path / "dflash").exists()

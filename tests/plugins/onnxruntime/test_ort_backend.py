@@ -12,6 +12,7 @@ pytest.importorskip("onnxruntime")
 
 from engine_builds import built_engine  # noqa: E402
 
+from dflash_trt.builder.manifest import read_manifest  # noqa: E402
 from dflash_trt.config import SamplingParams  # noqa: E402
 from dflash_trt.errors import ConfigError  # noqa: E402
 from dflash_trt.plugins.interface import DraftRow, TargetRow  # noqa: E402
@@ -90,11 +91,12 @@ def test_contiguous_slots_are_bound_in_place_and_scattered_slots_gathered(engine
     assert not np.shares_memory(keys, network.keys) and keys.shape[0] == 2
 
 
-def test_session_refuses_a_batch_wider_than_the_engine_was_built_for(tmp_path_factory):
-    narrow = built_engine(tmp_path_factory.getbasetemp(), "ort-batch2", backend="onnxruntime", max_batch_size=2)
-    with pytest.raises(ConfigError, match="max_batch is 4.*at most 2.*--max-batch-size 4"):
-        Session.load(narrow, max_batch=4)
-    assert Session.load(narrow, max_batch=2).backend.max_batch == 2
+def test_session_refuses_a_batch_wider_than_the_engine_was_built_for(engine):
+    built = read_manifest(engine).build.max_batch_size
+    with pytest.raises(ConfigError, match=f"max_batch is {built + 1}.*at most {built}.*--max-batch-size {built + 1}"):
+        Session.load(engine, max_batch=built + 1)
+    with Session.load(engine, max_batch=built) as widest:
+        assert widest.backend.max_batch == built
 
 
 def test_session_load_auto_picks_onnxruntime_and_matches_torch_greedy(engine):
