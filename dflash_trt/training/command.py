@@ -88,7 +88,8 @@ def build_train_config(**fields: object):
               help="Output folder: config.json, model.safetensors, training.json, checkpoints/.")
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Prompts (.txt/.jsonl) for the target to continue greedily, besides the sampled openings.")
-@click.option("--block-len", type=int, default=16, show_default=True, help="Block length B (anchor + B-1 masks).")
+@click.option("--block-len", type=click.IntRange(min=2, max=64), default=16, show_default=True,
+              help="Block length B (anchor + B-1 masks).")
 @click.option("--layers", type=int, default=1, show_default=True, help="Draft decoder layers.")
 @click.option("--intermediate-size", type=int, help="Draft SwiGLU width. Default: the target's.")
 @click.option("--target-layer-ids", help="Comma-separated tapped target layers. Default: build_target_layer_ids.")
@@ -124,7 +125,8 @@ def build_train_config(**fields: object):
 @click.option("--eval-max-new-tokens", type=int, default=256, show_default=True,
               help="New tokens per evaluation prompt.")
 @click.option("--checkpoint-every", type=int, default=200, show_default=True, help="Steps between checkpoints.")
-@click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads per rank.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch CPU threads per rank.")
 @click.option("--fsdp", is_flag=True, help="Shard the drafter and its optimiser state across ranks (FSDP) instead "
               "of replicating them (DDP).")
 @click.option("--bf16", is_flag=True, help="bf16 autocast on CUDA (weights and optimiser state stay float32).")
@@ -194,8 +196,9 @@ def train_command(target, out, prompts, block_len, layers, intermediate_size, ta
               "Default: the embedded stories260K drafter (when --target is not given).")
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Prompt file (.txt/.jsonl/.jsonl.gz/.json). Default: the 21 held-out TinyStories first sentences.")
-@click.option("--limit", type=int, help="Use only the first N prompts.")
-@click.option("--block-len", type=int, help="Block length at serve time. Default: the drafter's.")
+@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N prompts.")
+@click.option("--block-len", type=click.IntRange(min=1, max=64),
+              help="Block length at serve time. Default: the drafter's.")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True, help="New tokens per prompt.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy; above 0 sampled.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass when sampling.")
@@ -203,7 +206,7 @@ def train_command(target, out, prompts, block_len, layers, intermediate_size, ta
               help="Draft proposals when sampling: argmax + one-hot rejection, or sampled + standard rejection.")
 @click.option("--seeds", type=int, default=3, show_default=True, help="Runs per prompt when sampling (request "
               "seeds 1000 x run + prompt index).")
-@click.option("--threads", type=int, default=1, show_default=True, help="torch CPU threads.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 def eval_command(target, draft, prompts, limit, block_len, max_new_tokens, temperature, top_p, proposal, seeds,
                  threads, as_json) -> None:

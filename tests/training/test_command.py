@@ -67,3 +67,15 @@ def test_sampled_eval_runs_every_prompt_once_per_seed_and_is_reproducible(tmp_pa
     assert report["decoding"] == "T=1 top-p=1 sampled proposals x 2 seeds" and report["num_prompts"] == 2
     assert report["num_output_tokens"] == 2 * 2 * 16  # no stop token within 16 tokens of these stories
     assert report == json.loads(again.output)  # request seeds are fixed: the same figures every run
+
+
+@pytest.mark.parametrize("command, option", [("eval", "--threads"), ("train", "--threads"), ("eval", "--limit"),
+                                             ("eval", "--block-len"), ("train", "--block-len")])
+def test_a_count_of_zero_or_less_is_a_usage_error_not_a_traceback_or_a_silent_default(command, option, tmp_path):
+    from dflash_trt.cli import main
+
+    for value in ("0", "-1"):
+        result = CliRunner().invoke(main, [command, option, value, "--out", str(tmp_path / "x")]
+                                    if command == "train" else [command, option, value])
+        assert result.exit_code == 2, result.output  # click's usage error: one line naming the option
+        assert option in result.output and "is not in the range" in result.output
