@@ -70,7 +70,7 @@ def test_sampled_eval_runs_every_prompt_once_per_seed_and_is_reproducible(tmp_pa
 
 
 @pytest.mark.parametrize("command, option", [("eval", "--threads"), ("train", "--threads"), ("eval", "--limit"),
-                                             ("eval", "--block-len"), ("train", "--block-len")])
+                                             ("eval", "--block-len")])
 def test_a_count_of_zero_or_less_is_a_usage_error_not_a_traceback_or_a_silent_default(command, option, tmp_path):
     from dflash_trt.cli import main
 
