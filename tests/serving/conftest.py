@@ -7,6 +7,7 @@ test session with a bounded readiness wait and always stopped in teardown. Witho
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from importlib.util import find_spec
 from pathlib import Path
@@ -83,18 +84,25 @@ def triton_repo(tmp_path_factory: pytest.TempPathFactory, stories_pair, stories_
     return repo
 
 
-@pytest.fixture(scope="session")
-def triton_server(triton_repo: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One real tritonserver for the session (HTTP, gRPC and metrics on 127.0.0.1); stopped in teardown."""
+@contextlib.contextmanager
+def running_triton(repo: Path, log_dir: Path):
+    """A real tritonserver over ``repo`` (HTTP, gRPC and metrics on free 127.0.0.1 ports), ready, stopped on exit."""
     need_pytriton()
     from dflash_trt.serving.triton_server import TritonServer
 
-    log = tmp_path_factory.mktemp("triton-log") / "tritonserver.log"
-    server = TritonServer(triton_repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          log_path=log, env={"OMP_NUM_THREADS": "1"})  # 2 shared cores: one thread per stub
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          log_path=log_dir / "tritonserver.log",
+                          env={"OMP_NUM_THREADS": "1"})  # 2 shared cores: one thread per stub
     try:
         server.start()
         server.wait_ready(READY_TIMEOUT_S)
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def triton_server(triton_repo: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real tritonserver for the session; stopped in teardown."""
+    with running_triton(triton_repo, tmp_path_factory.mktemp("triton-log")) as server:
+        yield server

@@ -20,7 +20,7 @@ from dflash_trt.cli import main
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import ServingError
 
-from .conftest import READY_TIMEOUT_S, free_port, need_pytriton
+from .conftest import need_pytriton, running_triton
 
 pytest.importorskip("onnxruntime")
 
@@ -41,21 +41,12 @@ def ort_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(ort_engine: Path, tmp_path_factory: pytest.TempPathFactory):
     need_pytriton()
-    from dflash_trt.serving.triton_server import TritonServer
-
     repo = tmp_path_factory.mktemp("ort-repo")
     result = CliRunner().invoke(main, ["triton", "export", "--engine", str(ort_engine), "--repo", str(repo),
                                        "--name", MODEL, "--max-batch-size", str(SERVED_BATCH)])
     assert result.exit_code == 0, result.output
-    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          log_path=tmp_path_factory.mktemp("ort-log") / "tritonserver.log",
-                          env={"OMP_NUM_THREADS": "1"})
-    try:
-        server.start()
-        server.wait_ready(READY_TIMEOUT_S)
+    with running_triton(repo, tmp_path_factory.mktemp("ort-log")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _post(url: str, body: dict | None = None) -> dict:
