@@ -207,13 +207,11 @@ class _Network:
 
     def run(self, feeds: dict[str, np.ndarray], slots: list[int]) -> dict[str, np.ndarray]:
         keys, values = self._bound_caches(slots)
-        binding = self.session.io_binding()
-        for name, array in (*feeds.items(), ("key_cache", keys), ("value_cache", values)):
-            binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
-        for name in self.output_names:
-            binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
-        return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
+        # On the CPU provider ONNX Runtime reads a C-contiguous float32 numpy input in place (no copy: a 16-slot,
+        # 5 MiB cache view runs in the same time either way); I/O binding does the same at ~50 us more Python per
+        # call (measured on stories260K, 1 thread), so the plain run() is the binding.
+        outputs = self.session.run(self.output_names, {**feeds, "key_cache": keys, "value_cache": values})
+        return dict(zip(self.output_names, outputs))
 
     def store(self, slot: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
         """Write new rows ``[layers, nkv, n, d]`` at positions ``start ..`` of ``slot``; commit them."""
