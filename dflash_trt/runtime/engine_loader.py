@@ -133,5 +133,7 @@ def load_engine(folder: str | Path, backend: str = "auto") -> LoadedEngine:
     if manifest.draft_config is not None and draft_artefact is not None:
         draft_dir = artefact_file(folder, draft_artefact.path, manifest.build.command).parent
         draft = load_draft(draft_dir, torch.float32)
-    pair = ModelPair(target, draft, _load_tokenizer(folder, manifest), folder, folder if draft else None)
+    # draft_path names the drafter's own folder (config.json + safetensors, z-lab layout) so tools that load a
+    # drafter by folder, e.g. the reference implementation beside `bench --engine`, find it
+    pair = ModelPair(target, draft, _load_tokenizer(folder, manifest), folder, draft_dir if draft else None)
     return LoadedEngine(folder, manifest, name, pair)

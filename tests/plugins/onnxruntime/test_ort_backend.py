@@ -120,3 +120,13 @@ def test_batched_onnxruntime_session_equals_each_request_alone(engine):
     for index, (prompt, handle) in enumerate(zip(prompts, handles)):
         plain = alone.generate(prompt, SamplingParams(max_new_tokens=20 + 7 * index, block_len=1))
         assert handle.result().token_ids == plain.token_ids
+
+
+def test_an_engine_sessions_drafter_path_is_a_loadable_drafter_folder(engine):
+    """What `bench --engine` hands the reference implementation: the drafter's own z-lab folder."""
+    from dflash_trt.builder.load import load_draft
+
+    with Session.load(engine) as session:
+        folder = session.pair.draft_path
+        assert folder != engine and (folder / "config.json").is_file()
+        assert load_draft(folder).config == session.pair.draft.config
