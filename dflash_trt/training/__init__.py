@@ -21,7 +21,6 @@ _EXPORTS = {
     "DistillSettings": "dflash_trt.training.trainer",
     "StepMetrics": "dflash_trt.training.trainer",
     "new_draft_head": "dflash_trt.training.trainer",
-    "draft_forward_blocks": "dflash_trt.training.forward",
     "block_visibility": "dflash_trt.training.objective",
     "block_diagonal_mask": "dflash_trt.training.objective",
     "slot_weights": "dflash_trt.training.objective",

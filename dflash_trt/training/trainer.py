@@ -21,7 +21,6 @@ from dflash_trt.config import DraftConfig
 from dflash_trt.errors import TrainingError
 from dflash_trt.model.draft_head import DraftHead
 from dflash_trt.model.target import TargetModel
-from dflash_trt.training.forward import draft_forward_blocks
 from dflash_trt.training.objective import (accepted_prefix, block_labels, block_token_ids, sample_anchors,
                                            slot_weights, weighted_block_loss)
 from dflash_trt.training.parallel import (check_batch_split, deferred_gradient_sync, full_state_dicts, full_weights,
@@ -108,7 +107,7 @@ class BlockLogits(nn.Module):
     """The trainable part of one step as a module: draft logits of every block slot from the target's taps.
 
     Data-parallel wrappers (DDP, FSDP) hook a module's ``forward``; the training forward calls the
-    drafter's sub-modules directly (``forward.py``), so this module gives them a ``forward`` to wrap.
+    drafter's sub-modules directly (``DraftHead.forward_blocks``), so this module gives them a ``forward`` to wrap.
     """
 
     def __init__(self, head: DraftHead) -> None:
@@ -117,7 +116,7 @@ class BlockLogits(nn.Module):
 
     def forward(self, block_embeds: Tensor, taps: Tensor, anchors: Tensor, lm_head_weight: Tensor) -> Tensor:
         """Shapes: block_embeds ``[b, J, B, H]``, taps ``[b, S, L*H]``, anchors ``[b, J]`` -> ``[b, J, B-1, V]``."""
-        hidden = draft_forward_blocks(self.head, block_embeds, taps, anchors)
+        hidden = self.head.forward_blocks(block_embeds, taps, anchors)
         return self.head.logits(hidden[:, :, 1:], lm_head_weight)
 
 

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from in_memory_targets import MASK_TOKEN_ID, tiny_target
 
 from dflash_trt.training.draft_config import draft_config_for
-from dflash_trt.training.forward import draft_forward_blocks
 from dflash_trt.training.trainer import new_draft_head
 
 
@@ -42,7 +41,7 @@ def _inference_logits(target, head, tokens, taps, anchor, block_len):
 
 def _training_logits(target, head, tokens, taps, anchors, block_len):
     embeds = _block_embeds(target, tokens, anchors, block_len).unsqueeze(0)  # [1, J, B, H]
-    hidden = draft_forward_blocks(head, embeds, taps, anchors.unsqueeze(0))
+    hidden = head.forward_blocks(embeds, taps, anchors.unsqueeze(0))
     return head.logits(hidden[0, :, 1:], target.lm_head.weight)  # [J, B-1, V]
 
 
