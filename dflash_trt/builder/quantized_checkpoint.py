@@ -29,9 +29,9 @@ Speculative decoding stays lossless relative to *this quantised target*: it repr
 quantised target's greedy output, not the float model's. That needs every row of a k+1-token
 verify forward to be the same bits as a 1-token plain step. A static FP8/FP4 activation quantiser
 turns a last-bit difference at its input into a whole grid step, so the quantised GEMMs here are
-exact integer sums, which do not depend on the number of rows (batch-invariant). The float ops
-around them (attention, SiLU, the unquantised linears) are not batch-invariant in torch's CPU
-kernels; docs/quantization.md §4.1 measures what that leaves.
+exact integer sums, which do not depend on the number of rows (batch-invariant), and the float ops
+around them (norms, SiLU, attention, the unquantised linears) take the fixed-order forms of
+``builder/batch_invariant.py``. docs/quantization.md §4.1 states what that guarantees.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from dflash_trt import __version__
 from dflash_trt.builder import quantize as q
+from dflash_trt.builder.batch_invariant import make_batch_invariant
 from dflash_trt.builder.hf_config import parse_target_config, target_config_json
 from dflash_trt.builder.safe_files import read_json, read_tensors, safetensors_files
 from dflash_trt.builder.target_checkpoint import check_state_dict
@@ -206,6 +207,8 @@ def dequantize_into(model: TargetModel, state: dict[str, Tensor], quant_config: 
                     source: str = "quantized state") -> TargetModel:
     """Load an export state dict into ``model``: plain tensors as they are, quantised linears as modules.
 
+    With ``activations="quantized"`` (and not ``fp8_gemm``) the model's float ops become batch-invariant
+    (``batch_invariant.make_batch_invariant``), so a verify forward's rows are the bits of 1-token steps.
     Every tensor must be used and every parameter filled (strict), or ``CheckpointFormatError`` names them.
     """
     details = quant_config.get("quantization", {})
@@ -236,6 +239,8 @@ def dequantize_into(model: TargetModel, state: dict[str, Tensor], quant_config: 
         expected.pop("lm_head.weight", None)
     check_state_dict(expected, plain, source)
     model.load_state_dict({k: v.float() for k, v in plain.items()}, strict=False)
+    if activations == "quantized" and not fp8_gemm:
+        make_batch_invariant(model)  # the float ops feeding the quantisers, docs/quantization.md §4.1
     return model
 
 
