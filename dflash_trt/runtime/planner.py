@@ -6,23 +6,35 @@ estimates"; this module keeps the per-request memory around it and decides, each
 1. **Hopeless batch.** If no draft length beats plain decoding at this batch size even with every draft
    accepted (on a CPU at batch 64, verifying k+1 tokens per row costs more than k+1 plain steps), nothing
    drafts and every drafting request retires at once: its verify forwards stop computing context taps
-   and it is exactly plain decoding from then on.
+   and it is exactly plain decoding from then on. Steady-state costs decide this: a request's pending
+   context (a long prompt its first draft must take in) is a one-off and cannot make drafting hopeless
+   for the rest of its life.
 2. **Exploit.** Each request's per-position acceptance α is its rolling window smoothed toward the
    session's (the *prior*); the longer a request has not drafted, the more it reverts to the prior
    (weight doubles every ``REVERT_STEPS`` idle steps), so one bad stretch does not stop a good request
    for good. ``auto_length`` picks the shared length, 0 unless predicted > (1 + MARGIN) x plain.
-3. **Explore.** When that says plain decoding, requests that never drafted draft their full block once,
-   if an explorer better than the prior (each α halfway to 1, or optimistic while the prior has few
-   cycles) would make drafting pay at this batch, paid from an *exploration credit*: every step adds
+3. **Explore.** When that says plain decoding, requests measured for fewer than ``PROBE_CYCLES`` cycles
+   draft their full block (a probe of a few cycles, not one: a request's first block after its prompt is
+   one noisy sample, and under greedy decoding the same prompt gives the same sample every time), if an
+   explorer better than the prior (each α halfway to 1, or optimistic while the prior has few cycles)
+   would make drafting pay at this batch, paid from an *exploration credit*: every step adds
    ``EXPLORE_BUDGET`` x its plain-decoding cost; an exploration goes ahead when the credit covers its
    expected net cost (step time minus the plain time of the tokens the prior expects), and is charged
    what it really cost: its measured step time minus a plain step, less the plain time of the drafts
    that were accepted. So exploration never costs more than ``EXPLORE_BUDGET`` of the time served (plus
    the starting bank and one overdraft), yet a session whose prior went bad keeps sampling new requests
-   and recovers when the workload changes.
+   and recovers when the workload changes. The exception is a cold session: until the prior holds
+   cycles of ``INFORMED_REQUESTS`` requests, probes need no credit. The uninformed prior (α 0.5 per
+   position, τ 2) expects a loss wherever a cycle costs more than two plain steps, so the credit would fund
+   one cycle every few hundred steps and the session could serve for minutes on a handful of samples;
+   learning the drafter first costs at most ``INFORMED_REQUESTS`` probes once per session.
 4. **Retire.** When the plan is plain decoding and even the prior says plain for this batch, the requests
    stop drafting for good: reverting to the prior could not bring them back, and the verify forwards stop
-   computing context taps for them (on a CPU at batch 16 those cost ~10% of a step).
+   computing context taps for them (on a CPU at batch 16 those cost ~10% of a step). Only an informed
+   prior retires a request. Requests differ far more than cycles of one request do (on held-out
+   TinyStories prefixes, τ of single requests spans 1.5 to 16), so a prior counts as informed once it has
+   seen ``INFORMED_REQUESTS`` requests, however many cycles those gave: a session whose first two requests
+   happened to draft badly otherwise retired every request that followed and stopped learning.
 
 Plans are reused while the batch and the acceptance data are unchanged, re-made every
 ``REFRESH_STEPS`` steps otherwise (idle requests drift back to the prior).
@@ -39,7 +51,14 @@ EXPLORE_BUDGET = 0.01
 """Exploration may cost at most this fraction of the (plain-decoding) time served."""
 
 CREDIT_CAP_EXPLORATIONS = 2
-"""The exploration credit banks at most this many explorations' worth (no burst after a long idle spell)."""
+"""The exploration credit banks at most this many exploration steps' worth (no burst after a long idle spell;
+a probe of a drafter that pays is refunded as it goes, so it needs no larger bank)."""
+
+PROBE_CYCLES = 4
+"""Cycles a request drafts its full block for (as the credit allows) before the policy judges it."""
+
+INFORMED_REQUESTS = 8
+"""Requests whose cycles the session prior must hold before it retires requests or charges probes."""
 
 REVERT_STEPS = 8
 """Idle steps over which the weight of the session prior in a request's acceptance estimate doubles."""
@@ -62,11 +81,13 @@ class RequestMemory:
     tracker: AcceptanceTracker
     idle_steps: int = 0  # consecutive steps without drafting
     retired: bool = False  # set by the planner: the request stops drafting for good
+    sampled: bool = False  # set by the planner: its cycles are counted among the prior's requests
     context: int = 0  # context taps its next draft must take in (set by the scheduler each step)
 
     @property
-    def explored(self) -> bool:
-        return bool(self.tracker.cycles)
+    def probed(self) -> bool:
+        """Measured for ``PROBE_CYCLES`` cycles (recent ones: the tracker's window is longer)."""
+        return len(self.tracker.cycles) >= PROBE_CYCLES
 
 
 @dataclass
@@ -92,6 +113,12 @@ class AutoPlanner:
         self._age = 0
         self._dirty = True
         self._cached: Plan | None = None
+        self.sampled_requests = 0  # requests whose cycles went into the prior
+
+    @property
+    def informed(self) -> bool:
+        """The prior has seen enough requests to judge a new one by (``INFORMED_REQUESTS``)."""
+        return self.sampled_requests >= INFORMED_REQUESTS
 
     def observed(self, drafted: int, accepted: int) -> None:
         """A cycle of this step finished. One that drafted changes the acceptance data, so the next step
@@ -117,6 +144,10 @@ class AutoPlanner:
         self._age += 1
         plan = self._cached
         self.credit_s = min(self.credit_s + EXPLORE_BUDGET * plan.plain_step_s, self.credit_cap_s)
+        for request in requests:
+            if not request.sampled and request.tracker.cycles:
+                request.sampled = True
+                self.sampled_requests += 1
         for request, length in zip(requests, plan.lengths):
             request.idle_steps = 0 if length else request.idle_steps + 1
         return plan
@@ -128,8 +159,7 @@ class AutoPlanner:
         if not live:
             return Plan([0] * batch, "plain", plain_step)
         longest = max(requests[i].wanted for i in live)
-        context = max(requests[i].context for i in live)
-        if not self._could_gain(batch, len(live), longest, context, plain_step):
+        if not self._could_gain(batch, len(live), longest, plain_step):
             for i in live:
                 requests[i].retired = True
             return Plan([0] * batch, "hopeless", plain_step)
@@ -144,22 +174,22 @@ class AutoPlanner:
         if explored is not None:
             lengths, step = explored
             return Plan(lengths, "explore", plain_step, step)
-        if auto_length(self.costs, [prior] * batch, wanted)[0] == 0:  # even the prior says plain here
+        if self.informed and auto_length(self.costs, [prior] * batch, wanted)[0] == 0:  # even the prior says plain
             for i in live:
                 requests[i].retired = True
         return Plan([0] * batch, "plain", plain_step)
 
-    def _could_gain(self, batch: int, drafting: int, longest: int, context: int, plain_step: float) -> bool:
-        """Would any length beat plain decoding at this batch if every draft were accepted?"""
+    def _could_gain(self, batch: int, drafting: int, longest: int, plain_step: float) -> bool:
+        """Would any length beat plain decoding at this batch, in steady state, if every draft were accepted?"""
         plain = batch / plain_step
-        return any((batch + drafting * k) / self.costs.step(batch, drafting, k, context) > (1 + MARGIN) * plain
+        return any((batch + drafting * k) / self.costs.step(batch, drafting, k) > (1 + MARGIN) * plain
                    for k in self.costs.draft_len_candidates(longest) if k)
 
     def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float],
                  plain_step: float) -> tuple[list[int], float] | None:
-        """Full-block drafts for the never-drafted requests if the credit pays for them, and the predicted
+        """Full-block drafts for the requests not yet probed if the credit pays for them, and the predicted
         step time; else None."""
-        explorers = [i for i, r in enumerate(requests) if wanted[i] and not r.explored]
+        explorers = [i for i, r in enumerate(requests) if wanted[i] and not r.probed]
         if not explorers:
             return None
         batch = len(requests)
@@ -173,7 +203,7 @@ class AutoPlanner:
         tokens = batch + sum(expected_tokens(prior, wanted[i]) - 1 for i in explorers)
         net_cost = step - plain_step * tokens / batch  # what the prior expects it to cost
         self.credit_cap_s = CREDIT_CAP_EXPLORATIONS * max(step - plain_step, 0.0) or float("inf")
-        if net_cost > self.credit_s:
+        if net_cost > self.credit_s and self.informed:
             return None
         self.credit_s -= step - plain_step  # as predicted; ``step_took`` and ``observed`` settle the rest
         chosen = set(explorers)

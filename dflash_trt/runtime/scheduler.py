@@ -19,7 +19,7 @@ from collections import deque
 from typing import Callable
 
 from dflash_trt.errors import RequestError
-from dflash_trt.plugins.interface import Backend
+from dflash_trt.plugins.interface import Backend, DraftRow
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import Cycle, RequestState
 from dflash_trt.runtime.planner import AutoPlanner, RequestMemory
@@ -157,7 +157,7 @@ class Scheduler:
             began = time.perf_counter()
             outputs = self._forward(self.backend.draft_batch, drafting)
             forwards += time.perf_counter() - began
-            self.costs.record("draft", len(drafting), max(len(r.block) for _, r in drafting),
+            self.costs.record("draft", len(drafting), _draft_width([row for _, row in drafting]),
                               time.perf_counter() - began)
             self._each(outputs, lambda entry, draft_logits: entry.state.take_drafts(draft_logits))
         verify = self._each(((entry, None) for entry in batch if entry in self.active),
@@ -215,3 +215,11 @@ class Scheduler:
             self.active.remove(entry)
             heapq.heappush(self.free_slots, entry.state.slot)
 
+
+def _draft_width(rows: list[DraftRow]) -> int:
+    """The width a draft call is recorded at: its block, plus the context taps when some row took in more
+    context than a block (a first draft after the prompt, or after plain steps). ``CostModel.step`` prices that
+    one-off context the same way, and a steady-state cycle's estimate stays the steady-state calls'."""
+    block = max(len(r.block) for r in rows)
+    context = max(r.taps.shape[0] for r in rows)
+    return block + context if context > block else block

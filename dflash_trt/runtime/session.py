@@ -106,7 +106,7 @@ class Session:
                               f"{self.backend.max_batch} requests per forward. Fix: pass max_batch <= "
                               f"{self.backend.max_batch}, or pick a backend/engine built for {max_batch}.")
         if self.speculation.mode == "auto":
-            calibrate(self.backend, self.costs, pair.draft is not None, self.default_block_len)
+            calibrate(self.backend, self.costs, pair.draft is not None, self.default_block_len, self.max_seq_len)
         self._scheduler = Scheduler(self.backend, self.speculation, self.costs)
         # a session dropped without close() still stops its worker (the worker holds the scheduler, never the
         # session); at interpreter exit the sessions still open are closed, their requests cancelled

@@ -8,12 +8,18 @@ import pytest
 from dflash_trt.runtime.costs import CostModel
 
 
+def overhead(costs: CostModel, drafting: bool, batch: int, seconds: float) -> None:
+    """Enough steps at one batch size for its overhead to count as measured."""
+    for _ in range(3):
+        costs.record_overhead(drafting, batch, seconds)
+
+
 def grid(verify=lambda b, w: 1e-3 + 1e-5 * b * w) -> CostModel:
     costs = CostModel()
     for batch in (1, 4, 16):
         for width in (1, 4, 16):
-            costs.record("verify", batch, width, verify(batch, width), anchor=True)
-            costs.record("draft", batch, width, 2 * verify(batch, width), anchor=True)
+            costs.calibrate("verify", batch, width, verify(batch, width))
+            costs.calibrate("draft", batch, width, 2 * verify(batch, width))
     return costs
 
 
@@ -44,18 +50,18 @@ def test_a_smaller_forward_is_never_predicted_slower_than_a_larger_calibration_p
 def test_step_overheads_are_kept_per_batch_size():
     costs = grid()
     assert costs.overhead(False, 8) == 0.0  # nothing measured yet
-    costs.record_overhead(False, 1, 1e-4)
+    overhead(costs, False, 1, 1e-4)
     assert costs.overhead(False, 64) == pytest.approx(1e-4)  # one size measured: assumed everywhere
-    costs.record_overhead(False, 64, 2e-3)
+    overhead(costs, False, 64, 2e-3)
     assert costs.overhead(False, 32) == pytest.approx(1e-4 + (2e-3 - 1e-4) * 31 / 63)
-    costs.record_overhead(True, 1, 5e-5)
+    overhead(costs, True, 1, 5e-5)
     assert costs.overhead(True, 1) == pytest.approx(1e-4)  # a drafting step is assumed no cheaper than plain
 
 
 def test_a_step_is_verify_plus_draft_plus_overhead():
     costs = grid()
-    costs.record_overhead(False, 4, 1e-4)
-    costs.record_overhead(True, 4, 3e-4)
+    overhead(costs, False, 4, 1e-4)
+    overhead(costs, True, 4, 3e-4)
     assert costs.step(4, 0, 0) == pytest.approx(costs.verify(4, 1) + 1e-4)
     assert costs.step(4, 2, 3) == pytest.approx(costs.verify(4, 4) + costs.draft(2, 4) + 3e-4)
     assert CostModel.draft_len_candidates(15) == [0, 1, 3, 7, 15]
@@ -69,8 +75,8 @@ def test_lookups_before_calibration_say_so():
 
 def test_breakdown_splits_a_plain_step_and_a_cycle_and_prices_the_speedup_they_imply():
     costs = grid()
-    costs.record_overhead(False, 4, 2e-4)
-    costs.record_overhead(True, 4, 3e-4)
+    overhead(costs, False, 4, 2e-4)
+    overhead(costs, True, 4, 3e-4)
     step = costs.breakdown(4, 15)
     assert step.plain_step == pytest.approx(costs.verify(4, 1) + 2e-4)
     assert step.cycle == pytest.approx(costs.verify(4, 16) + costs.draft(4, 16) + 3e-4)
@@ -90,3 +96,54 @@ def test_breakdown_since_a_mark_prices_only_the_forwards_measured_after_it():
     step = costs.breakdown(4, 15, since=mark)
     assert step.verify == pytest.approx(4e-3)  # the mean of the three after the mark
     assert step.draft == costs.draft(4, 16)  # nothing measured since: the estimate
+
+
+def test_a_calibrated_point_traffic_has_not_measured_scales_with_the_drift_of_its_kind_and_batch():
+    costs = grid()
+    for _ in range(3):
+        costs.record("verify", 16, 1, 2 * costs.calibrated["verify"][(16, 1)])  # traffic: 2x the calibration
+        costs.record("draft", 4, 16, 3 * costs.calibrated["draft"][(4, 16)])
+    assert costs.verify(16, 16) == pytest.approx(2 * costs.calibrated["verify"][(16, 16)])
+    assert costs.draft(16, 4) == pytest.approx(3 * costs.calibrated["draft"][(16, 4)])  # nearest batch of its kind
+    assert costs.draft(1, 4) == pytest.approx(3 * costs.calibrated["draft"][(1, 4)])
+    assert costs.verify(4, 4) == pytest.approx(2 * costs.calibrated["verify"][(4, 4)])  # verify's drift at 16
+
+
+def test_a_point_needs_three_measurements_before_its_own_median_replaces_its_calibration():
+    costs = grid()
+    calibrated = costs.calibrated["verify"][(4, 4)]
+    costs.record("verify", 4, 4, 10 * calibrated)  # one cold forward
+    assert costs.verify(4, 4) == pytest.approx(calibrated)
+    costs.record("verify", 4, 4, 3 * calibrated)
+    costs.record("verify", 4, 4, 2 * calibrated)
+    assert costs.verify(4, 4) == pytest.approx(3 * calibrated)  # the median of its own three
+
+
+def test_a_point_never_calibrated_costs_the_least_of_its_first_measurements():
+    costs = grid()
+    costs.record("draft", 1, 40, 9e-3)  # a first draft taking in a prompt, cold
+    costs.record("draft", 1, 40, 2e-3)
+    assert costs.draft(1, 40) == pytest.approx(2e-3)
+
+
+def test_an_overhead_counts_as_measured_from_its_third_step():
+    costs = grid()
+    overhead(costs, False, 1, 2e-4)
+    costs.record_overhead(True, 1, 9e-3)  # the first drafting step of a session, cold
+    assert costs.overhead(True, 1) == pytest.approx(2e-4)
+    costs.record_overhead(True, 1, 5e-4)
+    costs.record_overhead(True, 1, 6e-4)
+    assert costs.overhead(True, 1) == pytest.approx(6e-4)
+
+
+def test_drafting_overhead_where_only_plain_steps_ran_adds_what_drafting_added_elsewhere():
+    costs = grid()
+    overhead(costs, False, 1, 2e-4)
+    overhead(costs, True, 1, 7e-4)
+    overhead(costs, False, 16, 1e-3)
+    assert costs.overhead(True, 16) == pytest.approx(1e-3 + 5e-4)
+    overhead(costs, False, 4, 4e-4)
+    overhead(costs, True, 4, 1.3e-3)
+    assert costs.overhead(True, 16) == pytest.approx(1e-3 + 9e-4)  # beyond the last: held, not extrapolated
+    overhead(costs, False, 2, 3e-4)
+    assert costs.overhead(True, 2) == pytest.approx(3e-4 + 5e-4 + 4e-4 / 3)  # between: interpolated

@@ -1,13 +1,15 @@
 """The auto policy's planner (runtime/planner.py): hopeless batches, exploration paid from a bounded credit,
-idle requests reverting to the session prior, and retirement. Cost tables are synthetic (cost_tables.py);
-the end-to-end check that decisions never change the output is in test_scheduler.py."""
+idle requests reverting to the session prior, retirement, and a cold session's start. Cost tables are
+synthetic (cost_tables.py); the end-to-end check that decisions never change the output is in
+test_scheduler.py."""
 
 from __future__ import annotations
 
 import pytest
 from cost_tables import linear_costs
 
-from dflash_trt.runtime.planner import EXPLORE_BUDGET, AutoPlanner, RequestMemory
+from dflash_trt.runtime.costs import CostModel
+from dflash_trt.runtime.planner import EXPLORE_BUDGET, INFORMED_REQUESTS, PROBE_CYCLES, AutoPlanner, RequestMemory
 from dflash_trt.runtime.policy import AcceptanceTracker
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound
@@ -26,8 +28,15 @@ def prior_with(cycles: list[tuple[int, int]]) -> AcceptanceTracker:
     return prior
 
 
+def informed(costs: CostModel, prior: AcceptanceTracker) -> AutoPlanner:
+    """A planner whose prior stands for enough requests to act on (a session past its cold start)."""
+    planner = AutoPlanner(costs, prior)
+    planner.sampled_requests = INFORMED_REQUESTS
+    return planner
+
+
 def test_a_batch_where_even_perfect_drafts_lose_drafts_nothing_and_retires_every_request():
-    planner = AutoPlanner(linear_costs(**CPU), prior_with([(15, 15)] * 50))
+    planner = informed(linear_costs(**CPU), prior_with([(15, 15)] * 50))
     batch = [request() for _ in range(64)]
     plan = planner.plan(batch)
     assert plan.reason == "hopeless" and plan.lengths == [0] * 64
@@ -35,7 +44,7 @@ def test_a_batch_where_even_perfect_drafts_lose_drafts_nothing_and_retires_every
 
 
 def test_a_good_prior_drafts_the_full_block_from_the_first_step_where_width_is_cheap():
-    planner = AutoPlanner(linear_costs(**GPU), prior_with([(15, 12)] * 50))
+    planner = informed(linear_costs(**GPU), prior_with([(15, 12)] * 50))
     plan = planner.plan([request(), request(7)])
     assert plan.reason == "exploit" and plan.lengths == [15, 7]
 
@@ -78,7 +87,7 @@ def test_exploration_never_costs_more_than_its_budget_when_drafts_are_always_rej
 
 def test_an_idle_request_reverts_to_a_good_session_prior_and_drafts_again():
     costs = linear_costs(**MIDDLE)
-    planner = AutoPlanner(costs, prior_with([(15, 13)] * 100))
+    planner = informed(costs, prior_with([(15, 13)] * 100))
     unlucky = request()
     for _ in range(8):
         unlucky.tracker.observe(15, 0)  # a bad stretch: its own estimate says plain for now
@@ -89,7 +98,7 @@ def test_an_idle_request_reverts_to_a_good_session_prior_and_drafts_again():
 
 def test_a_request_retires_when_even_the_prior_says_plain_for_its_batch():
     costs = linear_costs(verify_base=1e-3, verify_per_token=2e-5, draft_base=1e-3, draft_per_token=2e-5)
-    planner = AutoPlanner(costs, prior_with([(15, 0)] * 100))
+    planner = informed(costs, prior_with([(15, 0)] * 100))
     planner.credit_s = 0.0  # no exploration credit: only the retirement rule is at work
     batch = [request() for _ in range(4)]
     for r in batch:
@@ -100,9 +109,120 @@ def test_a_request_retires_when_even_the_prior_says_plain_for_its_batch():
 
 @pytest.mark.parametrize("machine", [CPU, GPU])
 def test_plans_are_reused_until_new_acceptance_data_arrives(machine):
-    planner = AutoPlanner(linear_costs(**machine), prior_with([(15, 8)] * 20))
+    planner = informed(linear_costs(**machine), prior_with([(15, 8)] * 20))
     batch = [request(), request()]
     first = planner.plan(batch)
     assert planner.plan(batch) is first  # nothing changed
     planner.observed(first.lengths[0] or 1, 0)
     assert planner.plan(batch) is not first
+
+
+# ---------------------------------------------------------------- a session's start, and costs measured online
+
+def engine_like_costs(scale: float = 1.0, drafting_overhead: bool = True) -> CostModel:
+    """Batch-1 costs shaped like the ONNX Runtime engine on a 2-core CPU (a 15-draft cycle costs ~3 plain
+    steps: drafting pays from τ ≈ 3), every point scaled by ``scale``."""
+    costs = CostModel()
+    for width in (1, 2, 4, 8, 16):
+        costs.calibrate("verify", 1, width, scale * (0.9e-3 + 0.035e-3 * (width - 1)))
+        if width > 1:
+            costs.calibrate("draft", 1, width, scale * (1.0e-3 + 0.02e-3 * width))
+    for _ in range(3):
+        costs.record_overhead(False, 1, scale * 0.2e-3)
+        if drafting_overhead:
+            costs.record_overhead(True, 1, scale * 0.5e-3)
+    return costs
+
+
+def serve_one_by_one(planner: AutoPlanner, costs: CostModel, requests: list[tuple[int, int]]) -> list[list[int]]:
+    """Requests served one after another at batch 1, each ``(new tokens, drafts accepted per cycle)``, every step
+    costing what ``costs`` predicts; returns each request's draft length per step."""
+    served = []
+    for tokens, accept in requests:
+        memory, produced, lengths = request(), 0, []
+        while produced < tokens:
+            length = planner.plan([memory]).lengths[0]
+            if length:
+                accepted = min(accept, length)
+                memory.tracker.observe(length, accepted)
+                planner.prior.observe(length, accepted)
+                planner.observed(length, accepted)
+            produced += 1 + (accepted if length else 0)
+            planner.step_took(costs.step(1, 1 if length else 0, length))
+            lengths.append(length)
+        served.append(lengths)
+    return served
+
+
+def test_a_cold_session_whose_first_requests_draft_badly_drafts_for_the_good_ones_that_follow():
+    """The bench's warm-up served the two prompts of the set that draft worst first; the session judged the
+    drafter by them, retired every request that followed, and a c=1 cell ran 1.05x instead of 1.6x."""
+    costs = engine_like_costs()
+    served = serve_one_by_one(AutoPlanner(costs, AcceptanceTracker(256, 64)), costs, [(16, 0)] * 3 + [(96, 5)] * 30)
+    for lengths in served[:3]:
+        assert 1 <= sum(1 for k in lengths if k) <= PROBE_CYCLES  # probed a few cycles, then plain
+    for lengths in served[3:]:
+        assert all(lengths), lengths  # every step of every good request drafts
+
+
+@pytest.mark.parametrize("scale", [0.7, 1.4])
+def test_decisions_do_not_depend_on_how_fast_the_machine_is(scale):
+    requests = [(16, 0)] * 3 + [(96, 5)] * 6 + [(64, 1)] * 6 + [(96, 6)] * 4
+    base = engine_like_costs()
+    expected = serve_one_by_one(AutoPlanner(base, AcceptanceTracker(256, 64)), base, requests)
+    scaled = engine_like_costs(scale)
+    assert serve_one_by_one(AutoPlanner(scaled, AcceptanceTracker(256, 64)), scaled, requests) == expected
+
+
+def test_only_a_prior_that_has_seen_enough_requests_retires_a_request():
+    costs = engine_like_costs()
+    planner = AutoPlanner(costs, prior_with([(15, 0)] * 100))  # many cycles, but no request counted yet
+    planner.credit_s = 0.0
+    rejected = request()
+    rejected.tracker.observe(15, 0)
+    assert planner.plan([rejected]).lengths == [15] and not rejected.retired  # a probe, not retirement
+    planner.sampled_requests = INFORMED_REQUESTS
+    for _ in range(PROBE_CYCLES):
+        rejected.tracker.observe(15, 0)
+    planner.observed(15, 0)
+    assert planner.plan([rejected]).lengths == [0] and rejected.retired
+
+
+def test_a_long_prompt_still_to_take_in_does_not_make_drafting_hopeless_for_good():
+    """Taking in a 2,000-token prompt makes the first draft call cost more than 16 plain steps, but that is
+    paid once: the request must not be retired from drafting for the rest of its life."""
+    costs = linear_costs(**MIDDLE)
+    planner = informed(costs, prior_with([(15, 13)] * 100))
+    long_prompt = request()
+    long_prompt.context = 2000
+    assert costs.step(1, 1, 15, 2000) > 16 * costs.step(1, 0, 0)
+    plan = planner.plan([long_prompt])
+    assert plan.reason != "hopeless" and not long_prompt.retired and plan.lengths == [15]
+
+
+def test_one_cold_drafting_step_does_not_make_drafting_look_hopeless():
+    """A session's first drafting step ran 9 ms outside its forwards, the next ones 0.5 ms."""
+    costs = engine_like_costs(drafting_overhead=False)
+    costs.record_overhead(True, 1, 9e-3)
+    planner = informed(costs, prior_with([(15, 5)] * 100))
+    plan = planner.plan([request()])
+    assert plan.reason == "exploit" and plan.lengths[0] >= 5
+
+
+def test_traffic_slower_than_the_calibration_does_not_make_drafting_look_cheaper():
+    """At batch 16 on a CPU a 3-draft cycle loses to plain decoding at calibrated costs. Traffic then measures
+    plain steps 1.5x slower than calibrated (longer contexts, a busier machine): without scaling the points
+    traffic never measured (drafting), plain decoding looked 1.5x dearer than drafting and the policy drafted."""
+    calibrated = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)
+    costs = CostModel()
+    for batch in (1, 4, 16):
+        for width in (1, 2, 4, 8, 16):
+            for kind, base, per_token in (("verify", "verify_base", "verify_per_token"),
+                                          ("draft", "draft_base", "draft_per_token")):
+                costs.calibrate(kind, batch, width, calibrated[base] + calibrated[per_token] * batch * width)
+    for _ in range(3):
+        costs.record("verify", 16, 1, 1.5 * (1e-3 + 1e-4 * 16))
+        costs.record_overhead(False, 16, 2e-4)
+    prior = prior_with([(15, 4)] * 100)
+    planner = informed(costs, prior)
+    assert planner.plan([request(3) for _ in range(16)]).lengths == [0] * 16

@@ -1,0 +1,63 @@
+"""Cost calibration (runtime/calibration.py) on a real torch backend: what it times and where in the cache; and
+the width the scheduler records a draft call at. What the policy makes of the costs is in test_costs.py and
+test_planner.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import DraftSpec, TargetSpec
+
+from dflash_trt.plugins.interface import DraftRow
+from dflash_trt.runtime.calibration import CONTEXT, TAPS, calibrate
+from dflash_trt.runtime.costs import CostModel
+from dflash_trt.runtime.scheduler import _draft_width
+from dflash_trt.runtime.session import Session
+
+TARGET = TargetSpec(family="llama", num_layers=4)  # the pair test_scheduler.py uses (built once per session)
+DRAFT = DraftSpec(distill_steps=150, block_size=4)
+
+
+class Recording:
+    """The session's real backend, with the rows of every forward written down."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.verified, self.drafted = backend, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def target_batch(self, rows, with_taps):
+        self.verified.append(rows)
+        return self.backend.target_batch(rows, with_taps)
+
+    def draft_batch(self, rows):
+        self.drafted.append(rows)
+        return self.backend.draft_batch(rows)
+
+
+@pytest.fixture(scope="module")
+def session(zoo):
+    return Session.from_checkpoints(zoo.target(TARGET), zoo.drafter(TARGET, DRAFT), max_batch=4)
+
+
+@pytest.mark.parametrize("max_seq_len, context", [(None, CONTEXT), (40, 40 - 4 - 1)])
+def test_calibration_times_a_grid_of_forwards_over_a_served_context(session, max_seq_len, context):
+    backend = Recording(session.backend)
+    costs = calibrate(backend, CostModel(), True, 4, max_seq_len or session.max_seq_len)
+    assert set(costs.calibrated["verify"]) == {(b, w) for b in (1, 2, 4) for w in (1, 2, 4)}
+    assert set(costs.calibrated["draft"]) == {(b, w) for b in (1, 2, 4) for w in (2, 4)}
+    assert not costs.table["verify"] and not costs.table["draft"]  # nothing counts as measured in traffic
+    prefill, *timed = backend.verified
+    assert [(r.start, len(r.tokens)) for r in prefill] == [(0, context)] * 4
+    assert {row.start for rows in timed for row in rows} == {context}
+    _, *drafts = backend.drafted
+    assert {(row.start, row.taps.shape[0]) for rows in drafts for row in rows} == {(context, TAPS)}
+
+
+def test_a_draft_call_taking_in_more_context_than_its_block_is_recorded_at_both():
+    def row(block: int, context: int) -> DraftRow:
+        return DraftRow(0, [0] * block, torch.zeros(context, 8), 40)
+
+    assert _draft_width([row(16, 5), row(8, 16)]) == 16  # steady state: the block
+    assert _draft_width([row(16, 5), row(16, 33)]) == 16 + 33  # a prompt taken in with the first draft
