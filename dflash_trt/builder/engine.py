@@ -14,7 +14,8 @@ Layout::
     manifest.json
     torch/target.safetensors, torch/draft/{config.json,model.safetensors}   every engine (torch backend)
     tokenizer/<tok512.bin | tokenizer.json>
-    onnx/target.onnx, onnx/draft.onnx | onnx/draft_plugin.onnx               onnxruntime, tensorrt
+    onnx/target_step.onnx, onnx/draft.onnx | onnx/draft_plugin.onnx          onnxruntime
+    onnx/target.onnx, onnx/draft.onnx, onnx/draft_plugin.onnx                tensorrt
     tensorrt/target.plan, tensorrt/draft.plan, tensorrt/libdflash_plugins.so tensorrt (GPU)
     trtllm/llm_api_options.yaml, trtllm/target/, trtllm/draft/              trtllm
 """
@@ -181,6 +182,7 @@ def _write_torch_weights(pair: ModelPair, work: Path) -> None:
 def _role_of(relative: str, drafter_graph: str) -> str:
     """Artefact role from the fixed layout above (the builder wrote these names itself)."""
     table = {"torch/target.safetensors": "target_weights", "onnx/target.onnx": "target_graph",
+             "onnx/target_step.onnx": "target_graph",
              "onnx/draft.onnx": "draft_graph", "onnx/draft_plugin.onnx": "draft_graph_plugin",
              "tensorrt/target.plan": "target_plan", "tensorrt/draft.plan": "draft_plan",
              "trtllm/llm_api_options.yaml": "trtllm_config", "quantization.json": "quant_config"}
@@ -303,9 +305,10 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     if draft_cfg is not None and block_len < 2:
         raise RequestError(f"--block-len is {block_len}; expected >= 2 with a drafter (anchor + at least one draft). "
                            "Fix: omit --block-len to use the drafter's block_size.")
-    from dflash_trt.builder.export_onnx import OPSET, GraphLimits
+    from dflash_trt.builder.export_onnx import OPSET, OPSET_ONNXRUNTIME, GraphLimits
 
-    limits = GraphLimits(config.max_batch_size, max_seq_len, block_len)
+    opset = OPSET_ONNXRUNTIME if config.backend == "onnxruntime" else OPSET
+    limits = GraphLimits(config.max_batch_size, max_seq_len, block_len, opset)
     step("write torch weights", lambda: _write_torch_weights(pair, work))
     tokenizer = _tokenizer_file(target_path)
     tokenizer_record = None
@@ -357,7 +360,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
             tokenizer=tokenizer_record, quantization=quantization,
             build=BuildSettings(backend=config.backend, max_batch_size=config.max_batch_size, max_seq_len=max_seq_len,
                                 block_len=block_len, dtype="float32", drafter_graph=drafter_graph,
-                                opset=OPSET if drafter_graph else None, command=config.command()),
+                                opset=opset if drafter_graph else None, command=config.command()),
             artefacts=_artefacts(work, drafter_graph or "standard"), plugins=plugins, tools=tool_versions(),
             tensorrt=tensorrt_stamp, checks=checks, pending=tuple(pending))
         write_manifest(work, manifest)
@@ -367,14 +370,19 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
 
 
 def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_graph: str, step) -> tuple:
-    """target.onnx plus the drafter graph(s): ORT gets the chosen variant; TensorRT gets both."""
-    from dflash_trt.builder.export_onnx import export_draft, export_target
+    """The target graph plus the drafter graph(s): ONNX Runtime gets ``target_step.onnx`` (KV cache updated in
+    place) and the chosen drafter variant; TensorRT gets ``target.onnx`` and both drafter variants."""
+    from dflash_trt.builder.export_onnx import export_draft, export_step_target, export_target
     from dflash_trt.builder.manifest import PluginStamp
     from dflash_trt.plugins.schema import BLOCK_ATTENTION
 
     onnx_dir = work / "onnx"
     taps = pair.draft.config.target_layer_ids if pair.draft is not None else ()
-    step("export target ONNX", lambda: export_target(pair.target, taps, onnx_dir / "target.onnx", limits))
+    if backend == "onnxruntime":
+        step("export target ONNX", lambda: export_step_target(pair.target, taps, onnx_dir / "target_step.onnx",
+                                                              limits))
+    else:
+        step("export target ONNX", lambda: export_target(pair.target, taps, onnx_dir / "target.onnx", limits))
     if pair.draft is None:
         return ()
     variants = ["standard", "plugin"] if backend == "tensorrt" else [drafter_graph]

@@ -1,31 +1,36 @@
-"""ONNX export of the two networks a backend runs (docs/design.md, backends; docs/environment.md, ONNX export).
+"""ONNX export of the networks a backend runs (docs/design.md, backends; docs/environment.md, ONNX export).
 
-The graphs are *batched* and read each row's KV cache **in place**: the runtime keeps one static cache
-per network, ``[slots, layers, nkv, S, d]`` (``S`` = its ``max_seq_len``), and binds the rows of the
-requests in a forward to the graph without copying them (ONNX Runtime I/O binding, TensorRT tensor
-addresses). A graph reads every row's whole buffer and masks what a query may not see, as static-cache
-decoders do (gpt-fast attends over its whole ``max_seq_length`` buffer), so a step's cost does not grow
-with the context beyond attention itself; it returns only the K/V rows it adds, which the runtime writes
-at each row's positions. Padding tokens sit at position ``S`` (no real query reaches it).
+The runtime keeps one static KV cache per network with one slot per request and binds the rows of the requests
+in a forward to the graph without copying them. Padding tokens sit at position ``S`` (no real query reaches it).
 
-* ``target.onnx``: ``tokens [B, T]`` int64, ``positions [B, T]`` int64 (absolute, padding ``S``),
-  ``cache_lengths [B]`` int64 (valid cache rows per row; the rest are stale), ``key_cache``/``value_cache
+* ``target_step.onnx`` (ONNX Runtime engines, opset 23 + ``com.microsoft``): ``tokens``/``positions [B, T]``
+  int64, ``seqlens_k [B]`` int32 (each row's length after the call, minus one), ``total_length []`` int32,
+  ``key_cache.{l}``/``value_cache.{l} [B, nkv, S, d]`` per layer -> ``logits [B, T, V]``, ``taps [B, T, L*H]``,
+  ``present_key.{l}``/``present_value.{l}``: each layer's attention is one ``GroupQueryAttention`` node that writes
+  the new K/V into the cache buffer at each row's length and attends over the rows before it, reading the buffer
+  in place; the runtime binds every present output to its cache input, so nothing is copied and a step costs
+  what its attention costs, whatever the context. ONNX Runtime's kernel takes ``T > 1`` after a past only for
+  ``B == 1``: rows adding several tokens run one per call (``plugins/onnxruntime/backend.py``).
+* ``target.onnx`` (TensorRT engines, opset 20): ``tokens [B, T]``, ``positions [B, T]`` int64,
+  ``cache_positions [K]`` (the committed rows read), ``cache_lengths [B]`` int64, ``key_cache``/``value_cache
   [B, N, nkv, S, d]`` -> ``logits [B, T, V]``, ``taps [B, T, L*H]`` (outputs of the tapped layers in
-  ``target_layer_ids`` order), ``new_keys``/``new_values [B, N, nkv, T, d]``.
+  ``target_layer_ids`` order), ``new_keys``/``new_values [B, N, nkv, T, d]`` (the runtime writes them at each
+  row's positions).
 * ``draft.onnx``: ``block [B, Bc]`` int64 (anchor + masks), ``block_positions [B, Bc]``, ``taps [B, C, L*H]``
-  (new context rows, right-aligned), ``context_positions [B, C]`` (padding ``S``), ``cache_lengths [B]``,
-  ``key_cache``/``value_cache [B, n, nkv, S, d]`` -> ``draft_logits [B, Bc-1, V]``,
+  (new context rows, right-aligned), ``context_positions [B, C]`` (padding ``S``), ``cache_positions [K]``,
+  ``cache_lengths [B]``, ``key_cache``/``value_cache [B, n, nkv, S, d]`` -> ``draft_logits [B, Bc-1, V]``,
   ``context_keys``/``context_values [B, n, nkv, C, d]`` (the context rows to append; block K/V never
   survive a cycle, docs/algorithm.md). The drafter graph contains the target's embedding and LM head.
 
-Both are traced from the model's own modules (``TargetModel`` layers, ``DraftHead``'s fusion, layers,
-norm and LM head, and its visibility rule): only the cache is a stand-in (:class:`_BoundCache`).
+All are traced from the model's own modules (``TargetModel.run_layers``, ``DraftHead.run_layers`` and its
+visibility rule): only the K/V store is the graph's own (:class:`_InPlaceCache`, :class:`_BoundCache`,
+:class:`_BoundKeys`).
 
 ``draft_plugin.onnx`` is the TensorRT variant: attention is one ``DFlashBlockAttention`` node per layer
 (schema ``dflash::block_attention``), whose rows share one context length, so it keeps the prefix I/O
 (``block``, ``taps [B, c, L*H]``, ``past_keys``/``past_values [n, B, nkv, P, d]`` -> ``draft_logits``,
 ``context_keys``/``context_values [n, B, nkv, c, d]``). Exported with ``torch.onnx.export(dynamo=True)``
-(needs onnxscript), opset 20.
+(needs onnxscript); the opset is 23 for ONNX Runtime engines and 20 for TensorRT ones.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ from dflash_trt.model.layers import attend
 from dflash_trt.model.target import TargetModel
 
 OPSET = 20
+"""Opset of the graphs TensorRT parses (TensorRT 10's ONNX parser reads opsets 9-20)."""
+OPSET_ONNXRUNTIME = 23
+"""Opset of the graphs ONNX Runtime runs: RMSNormalization, Attention and RotaryEmbedding are single nodes there
+(a third of the standard-op graph's nodes; on a small model a forward costs per node, docs/benchmarks.md)."""
 TARGET_INPUTS = ("tokens", "positions", "cache_positions", "cache_lengths", "key_cache", "value_cache")
 TARGET_OUTPUTS = ("logits", "taps", "new_keys", "new_values")
 DRAFT_INPUTS = ("block", "block_positions", "taps", "context_positions", "cache_positions", "cache_lengths",
@@ -63,6 +72,7 @@ class GraphLimits:
     max_batch_size: int
     max_seq_len: int
     block_len: int
+    opset: int = OPSET
 
 
 class _BoundCache:
@@ -114,6 +124,58 @@ class TargetGraph(nn.Module):
         cache = _BoundCache(key_cache, value_cache, cache_positions.shape[0])
         logits, taps = self.model.run_layers(tokens, positions, cache, None, mask, positions, self.tap_ids)
         return (logits,) + ((taps,) if self.tap_ids else ()) + cache.outputs()
+
+
+class _InPlaceCache:
+    """The ONNX Runtime target graph's K/V store: every layer is one ``com.microsoft.GroupQueryAttention`` node
+    that rotates q/k, writes the new K/V into its layer's cache buffer at each row's length and attends over the
+    rows before it (causal), reading the cache in place. ``present_key.{l}``/``present_value.{l}`` are graph
+    outputs the runtime binds to the same buffers as the inputs (ONNX Runtime's shared past/present buffer).
+    Shapes: caches ``[B, nkv, S, d]`` per layer; ``seqlens_k [B]`` int32 (each row's length after the call, minus
+    one); ``total_length []`` int32; cos/sin ``[P, d/2]``."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], positions: Tensor, seqlens_k: Tensor,
+                 total_length: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> None:
+        self.keys, self.values, self.seqlens_k, self.total_length = keys, values, seqlens_k, total_length
+        self.positions, self.cos, self.sin, self.heads, self.kv_heads = positions, cos, sin, heads, kv_heads
+        self.present: list[Tensor] = []
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys, values = self.keys[layer], self.values[layer]
+        # RoPE as ONNX RotaryEmbedding nodes: the kernel's own rotation needs head_dim % 16 == 0 on the CPU
+        q = torch.onnx.ops.rotary_embedding(q, self.cos, self.sin, self.positions, num_heads=self.heads)
+        k = torch.onnx.ops.rotary_embedding(k, self.cos, self.sin, self.positions, num_heads=self.kv_heads)
+        out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
+            "com.microsoft::GroupQueryAttention",
+            (q, k, v, keys, values, self.seqlens_k, self.total_length),
+            {"num_heads": self.heads, "kv_num_heads": self.kv_heads},
+            dtypes=(q.dtype, keys.dtype, values.dtype), shapes=(q.shape, keys.shape, values.shape), version=1)
+        self.present += [present_key, present_value]
+        return out
+
+
+class StepGraph(nn.Module):
+    """The ONNX Runtime target graph: ``TargetModel.run_layers`` over per-layer cache buffers updated in place
+    (:class:`_InPlaceCache`). Rows are batched when each adds one token; a row adding several runs alone
+    (ONNX Runtime's kernel takes several new tokens after a past only for one row)."""
+
+    def __init__(self, model: TargetModel, tap_ids: tuple[int, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.tap_ids = tap_ids
+        half = model.config.head_dim // 2
+        self.register_buffer("rope_cos", model.rotary.cos[:, :half].clone(), persistent=False)
+        self.register_buffer("rope_sin", model.rotary.sin[:, :half].clone(), persistent=False)
+
+    def forward(self, tokens: Tensor, positions: Tensor, seqlens_k: Tensor, total_length: Tensor, *caches: Tensor
+                ) -> tuple[Tensor, ...]:
+        cfg = self.model.config
+        layers = cfg.num_layers
+        cache = _InPlaceCache(list(caches[:layers]), list(caches[layers:]), positions, seqlens_k, total_length,
+                              self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
+        logits, taps = self.model.run_layers(tokens, positions, cache, None, None, None, self.tap_ids)
+        present = cache.present  # key, value per layer -> keys of every layer, then values
+        return (logits,) + ((taps,) if self.tap_ids else ()) + tuple(present[0::2]) + tuple(present[1::2])
 
 
 class _BoundKeys:
@@ -213,12 +275,12 @@ def _quiet_exporter():
 
 
 def _export(module: nn.Module, args: tuple[Tensor, ...], input_names: tuple[str, ...],
-            output_names: tuple[str, ...], dynamic_shapes: dict, path: Path, translations: dict) -> Path:
+            output_names: tuple[str, ...], dynamic_shapes: dict, path: Path, translations: dict, opset: int) -> Path:
     from dflash_trt.plugins.onnx_nodes import register_onnx_schema
 
     register_onnx_schema()
     with _quiet_exporter(), torch.inference_mode(False), torch.no_grad():
-        program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET,
+        program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=opset,
                                     input_names=list(input_names), output_names=list(output_names),
                                     dynamic_shapes=dynamic_shapes, custom_translation_table=translations,
                                     optimize=True, verbose=False)
@@ -259,7 +321,38 @@ def export_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limi
     return _export(TargetGraph(model, tuple(tap_ids)), args, TARGET_INPUTS, outputs,
                    {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "cache_positions": {0: live},
                     "cache_lengths": {0: batch},
-                    "key_cache": cache_dims, "value_cache": cache_dims}, path, {})
+                    "key_cache": cache_dims, "value_cache": cache_dims}, path, {}, limits.opset)
+
+
+def step_graph_io(num_layers: int, with_taps: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Input and output names of ``target_step.onnx``."""
+    def per_layer(name: str) -> tuple[str, ...]:
+        return tuple(f"{name}.{layer}" for layer in range(num_layers))
+
+    inputs = ("tokens", "positions", "seqlens_k", "total_length") + per_layer("key_cache") + per_layer("value_cache")
+    outputs = ("logits",) + (("taps",) if with_taps else ()) + per_layer("present_key") + per_layer("present_value")
+    return inputs, outputs
+
+
+def export_step_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limits: GraphLimits) -> Path:
+    """Write ``target_step.onnx`` (float32, ONNX Runtime only: ``com.microsoft.GroupQueryAttention``)."""
+    from torch.export import Dim
+
+    cfg = model.config
+    dtype = model.embed_tokens.weight.dtype
+    batch = Dim("batch", min=1, max=max(_EXAMPLE_BATCH, limits.max_batch_size))
+    tokens = Dim("tokens", min=1, max=limits.max_seq_len)
+    example_tokens, example_cache = 3, 11
+    cache_shape = (_EXAMPLE_BATCH, cfg.num_kv_heads, example_cache, cfg.head_dim)
+    caches = tuple(torch.zeros(cache_shape, dtype=dtype) for _ in range(2 * cfg.num_layers))
+    args = (torch.randint(0, cfg.vocab_size, (_EXAMPLE_BATCH, example_tokens)),
+            torch.arange(4, 4 + example_tokens).repeat(_EXAMPLE_BATCH, 1),
+            torch.full((_EXAMPLE_BATCH,), 6, dtype=torch.int32), torch.tensor(7, dtype=torch.int32)) + caches
+    inputs, outputs = step_graph_io(cfg.num_layers, bool(tap_ids))
+    cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
+    dynamic = {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "seqlens_k": {0: batch},
+               "total_length": {}, "caches": tuple({0: batch, 2: cache_len} for _ in caches)}
+    return _export(StepGraph(model, tuple(tap_ids)), args, inputs, outputs, dynamic, path, {}, OPSET_ONNXRUNTIME)
 
 
 def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits, plugin: bool) -> Path:
@@ -290,7 +383,8 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
     return _export(graph, args, DRAFT_INPUTS, DRAFT_OUTPUTS,
                    {"block": {0: batch, 1: block}, "block_positions": {0: batch, 1: block},
                     "taps": {0: batch, 1: context}, "context_positions": {0: batch, 1: context},
-                    "cache_positions": {0: live}, "cache_lengths": {0: batch}, "key_cache": cache_dims, "value_cache": cache_dims}, path, {})
+                    "cache_positions": {0: live}, "cache_lengths": {0: batch}, "key_cache": cache_dims,
+                    "value_cache": cache_dims}, path, {}, limits.opset)
 
 
 def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits) -> Path:
@@ -315,4 +409,4 @@ def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limit
     translations = {torch.ops.dflash.block_attention.default: block_attention_translation()}
     return _export(graph, args, PLUGIN_DRAFT_INPUTS, DRAFT_OUTPUTS,
                    {"block": {0: batch, 1: block}, "taps": {0: batch, 1: context}, "past_keys": cache_dims,
-                    "past_values": cache_dims}, path, translations)
+                    "past_values": cache_dims}, path, translations, limits.opset)

@@ -9,7 +9,7 @@ table stays a plain prefix strip.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,15 @@ class KVStore(Protocol):
 
     def write(self, layer: int, start: int | TargetLayout | None, keys: Tensor, values: Tensor,
               positions: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
+
+
+@runtime_checkable
+class FusedAttention(Protocol):
+    """A ``KVStore`` whose attention is one kernel that also applies RoPE and writes the new K/V in place (the
+    ONNX Runtime engine graph's ``GroupQueryAttention``, ``builder/export_onnx.py``). Shapes: q ``[B, T, nq*d]``,
+    k/v ``[B, T, nkv*d]`` (normed, not rotated) -> ``[B, T, nq*d]``."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
 class TargetAttention(nn.Module):
@@ -48,6 +57,8 @@ class TargetAttention(nn.Module):
         v = self.v_proj(x).view(batch, tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if isinstance(cache, FusedAttention):
+            return self.o_proj(cache.attend(layer, q.flatten(2), k.flatten(2), v.flatten(2)))
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         keys, values = cache.write(layer, start, k, v.transpose(1, 2), positions)

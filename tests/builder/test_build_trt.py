@@ -47,7 +47,7 @@ def test_plugin_free_graphs_parse_and_build_with_tensorrt_rtx(tmp_path_factory):
     from dflash_trt.builder.build_trt import rtx_check
     from dflash_trt.runtime.session import Session
 
-    engine = built_engine(tmp_path_factory.getbasetemp(), "ort-standard", backend="onnxruntime")
+    engine = built_engine(tmp_path_factory.getbasetemp(), "trt", backend="tensorrt")
     pair = Session.load(engine, "torch").pair
     results = rtx_check(engine / "onnx", pair, GraphLimits(1, 512, 4))
     assert set(results) == {"tensorrt_rtx:target.onnx", "tensorrt_rtx:draft.onnx"}

@@ -8,7 +8,8 @@ onnx = pytest.importorskip("onnx")
 
 from engine_builds import built_engine  # noqa: E402
 
-from dflash_trt.builder.export_onnx import DRAFT_INPUTS, DRAFT_OUTPUTS, TARGET_INPUTS, TARGET_OUTPUTS  # noqa: E402
+from dflash_trt.builder.export_onnx import (  # noqa: E402
+    DRAFT_INPUTS, DRAFT_OUTPUTS, OPSET, OPSET_ONNXRUNTIME, TARGET_INPUTS, TARGET_OUTPUTS, step_graph_io)
 from dflash_trt.plugins.onnx_nodes import plugin_nodes, to_ort_domain  # noqa: E402
 
 
@@ -22,7 +23,21 @@ def _io(path):
     return model, [i.name for i in model.graph.input], [o.name for o in model.graph.output]
 
 
-def test_target_graph_has_cache_inputs_and_tap_outputs(engine):
+def test_onnxruntime_target_graph_reads_and_extends_per_layer_caches_in_place(engine):
+    model, inputs, outputs = _io(engine / "onnx" / "target_step.onnx")
+    assert (tuple(inputs), tuple(outputs)) == step_graph_io(5, with_taps=True)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims["key_cache.0"] == dims["value_cache.4"] == ["batch", 4, "cache_len", 8]  # [B, nkv, S, d] per layer
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == 5 and {n.domain for n in attention} == {"com.microsoft"}
+    # each layer's kernel takes its cache buffer as past and returns it as present (bound to the same memory)
+    pairs = [(node.input[3], node.output[1]) for node in attention]
+    assert pairs == [(f"key_cache.{layer}", f"present_key.{layer}") for layer in range(5)]
+    assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {OPSET_ONNXRUNTIME}
+
+
+def test_tensorrt_target_graph_has_cache_inputs_and_tap_outputs(tmp_path_factory):
+    engine = built_engine(tmp_path_factory.getbasetemp(), "trt", backend="tensorrt")
     model, inputs, outputs = _io(engine / "onnx" / "target.onnx")
     assert tuple(inputs) == TARGET_INPUTS and tuple(outputs) == TARGET_OUTPUTS
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
@@ -32,6 +47,7 @@ def test_target_graph_has_cache_inputs_and_tap_outputs(engine):
     assert dims["cache_positions"] == ["live"]  # the committed rows a forward reads, not the whole buffer
     onnx.checker.check_model(model, full_check=True)
     assert not plugin_nodes(model)
+    assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {OPSET}  # TensorRT 10 parses it
 
 
 def test_standard_drafter_graph_uses_only_standard_ops(engine):

@@ -1,11 +1,19 @@
 """The ``onnxruntime`` backend: the engine's batched ONNX graphs on ONNX Runtime (CPU by default).
 
-Each network keeps one static float32 KV cache on the host, ``[max_batch, layers, nkv, max_seq_len, d]``
-(one slot per request), allocated at setup (docs/style.md R5). A forward binds the cache rows of its requests to
-the graph in place through I/O binding (a contiguous run of slots is a view of the buffer: no copy; the
-scheduler keeps active requests in slot order so a batch usually is one) and writes back only the K/V rows
-the graph returns, at each row's positions (``builder/export_onnx.py`` describes the I/O). Cropping is
-bookkeeping, as in ``model/kv_cache.py``. The loop, verification and stats are the shared ones in ``runtime/``.
+Each network keeps static float32 KV caches on the host with one slot per request, allocated at setup
+(docs/style.md R5); ``builder/export_onnx.py`` describes the graphs' I/O.
+
+* The target of an ONNX Runtime engine (``target_step.onnx``) owns layer-major caches ``[layers, max_batch, nkv,
+  S, d]``: a run of consecutive slots is a view of each layer's buffer, bound through I/O binding as both the
+  attention node's past input and its present output, so the graph reads and extends the cache in place
+  (:class:`_InPlaceTarget`).
+* The drafter, and the target graph of a TensorRT engine run here (``target.onnx``), own ``[max_batch, layers,
+  nkv, S, d]`` caches: a run of consecutive slots is passed as a view (ONNX Runtime reads a contiguous input in
+  place), scattered slots are gathered, and the K/V rows the graph returns are written at each row's positions
+  (:class:`_Network`).
+
+Cropping is bookkeeping, as in ``model/kv_cache.py``; the scheduler keeps active requests in slot order so a
+batch is usually one run. The loop, verification and stats are the shared ones in ``runtime/``.
 """
 
 from __future__ import annotations
@@ -83,8 +91,10 @@ class OrtBackend:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         small = target_config.hidden_size < SMALL_MODEL_HIDDEN
-        self._target = _Network(open_session(target_graph, quant_mode, small), max_batch, target_config.num_layers,
-                                target_config.num_kv_heads, max_seq_len, target_config.head_dim)
+        session = open_session(target_graph, quant_mode, small)
+        shape = (max_batch, target_config.num_layers, target_config.num_kv_heads, max_seq_len, target_config.head_dim)
+        self._target = (_InPlaceTarget(session, shape) if "seqlens_k" in {i.name for i in session.get_inputs()}
+                        else _Network(session, *shape))
         self._draft = None
         if draft_graph is not None and draft_config is not None:
             self._draft = _Network(open_session(draft_graph, quant_mode, small), max_batch, draft_config.num_layers,
@@ -100,13 +110,16 @@ class OrtBackend:
 
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None."""
+        for row in rows:
+            assert row.start <= self._target.lengths[row.slot], "target cache gap"
+            assert row.start + len(row.tokens) <= self.max_seq_len, "target cache overflow"
+        if isinstance(self._target, _InPlaceTarget):
+            return self._target.run_rows(rows, with_taps)
         pad = self.max_seq_len  # padding sits past every real position (export_onnx)
         width = max(len(r.tokens) for r in rows)
         tokens = np.zeros((len(rows), width), np.int64)
         positions = np.full((len(rows), width), pad, np.int64)
         for index, row in enumerate(rows):
-            assert row.start <= self._target.lengths[row.slot], "target cache gap"
-            assert row.start + len(row.tokens) <= self.max_seq_len, "target cache overflow"
             tokens[index, :len(row.tokens)] = row.tokens
             positions[index, :len(row.tokens)] = np.arange(row.start, row.start + len(row.tokens))
         lengths = np.array([r.start for r in rows], np.int64)
@@ -174,6 +187,93 @@ class OrtBackend:
         logits, keys, values = network.session.run(None, feeds)
         network.store(row.slot, past, keys[:, 0], values[:, 0])
         return torch.from_numpy(logits[0])
+
+
+class _Binding:
+    """One call shape of ``target_step.onnx`` (``count`` rows from slot ``first``, ``width`` tokens each) bound once:
+    input buffers filled per call, outputs written into buffers that live as long as the binding, and each layer's
+    cache view bound as both its past input and its present output (updated in place)."""
+
+    def __init__(self, session, keys: np.ndarray, values: np.ndarray, first: int, count: int, width: int,
+                 output_widths: dict[str, int]) -> None:
+        self.io = session.io_binding()
+        self.tokens = np.zeros((count, width), np.int64)
+        self.positions = np.zeros((count, width), np.int64)
+        self.seqlens_k = np.zeros(count, np.int32)
+        self.total_length = np.zeros((), np.int32)
+        self.outputs = {name: np.zeros((count, width, size), np.float32) for name, size in output_widths.items()}
+        for name in ("tokens", "positions", "seqlens_k", "total_length"):
+            self._bind(self.io.bind_input, name, getattr(self, name))
+        for name, buffer in self.outputs.items():
+            self._bind(self.io.bind_output, name, buffer)
+        self.caches = [cache[layer, first:first + count] for cache in (keys, values) for layer in range(len(cache))]
+        for index, view in enumerate(self.caches):  # contiguous views of the slot buffers: no copy
+            kind, layer = ("key", "value")[index // len(keys)], index % len(keys)
+            self._bind(self.io.bind_input, f"{kind}_cache.{layer}", view)
+            self._bind(self.io.bind_output, f"present_{kind}.{layer}", view)
+
+    @staticmethod
+    def _bind(bind, name: str, array: np.ndarray) -> None:
+        bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+
+class _InPlaceTarget:
+    """The target's ``target_step.onnx`` over layer-major slot caches ``[layers, max_batch, nkv, S, d]`` that the
+    graph's attention nodes read and extend in place (``builder/export_onnx.py``, :class:`StepGraph`).
+
+    Rows adding one token each run batched, one call per run of consecutive slots; a row adding several tokens
+    (a prompt, a verification block) runs alone, as ONNX Runtime's kernel requires. Call shapes are bound once
+    and kept (least recently used dropped past ``KEPT_BINDINGS``)."""
+
+    KEPT_BINDINGS = 64
+
+    def __init__(self, session, shape: tuple[int, int, int, int, int]) -> None:
+        max_batch, layers, kv_heads, max_len, head_dim = shape
+        self.session = session
+        self.keys = np.zeros((layers, max_batch, kv_heads, max_len, head_dim), np.float32)
+        self.values = np.zeros_like(self.keys)
+        self.lengths = [0] * max_batch
+        self.output_widths = {o.name: o.shape[-1] for o in session.get_outputs() if o.name in ("logits", "taps")}
+        self._bindings: dict[tuple[int, int, int], _Binding] = {}
+
+    def run_rows(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
+        results: list[tuple[Tensor, Tensor | None] | None] = [None] * len(rows)
+        singles = sorted((i for i, row in enumerate(rows) if len(row.tokens) == 1), key=lambda i: rows[i].slot)
+        groups = [[i] for i, row in enumerate(rows) if len(row.tokens) > 1]
+        for index in singles:  # runs of consecutive slots share a call
+            if groups and len(rows[groups[-1][-1]].tokens) == 1 and rows[groups[-1][-1]].slot + 1 == rows[index].slot:
+                groups[-1].append(index)
+            else:
+                groups.append([index])
+        for group in groups:
+            self._run([rows[i] for i in group], with_taps, results, group)
+        return results
+
+    def _run(self, rows: list[TargetRow], with_taps: bool, results: list, indices: list[int]) -> None:
+        width = len(rows[0].tokens)
+        binding = self._binding(rows[0].slot, len(rows), width)
+        starts = np.array([row.start for row in rows], np.int64)
+        binding.tokens[:] = [row.tokens for row in rows]
+        binding.positions[:] = starts[:, None] + np.arange(width)
+        binding.seqlens_k[:] = starts + width - 1
+        binding.total_length[...] = starts.max() + width
+        self.session.run_with_iobinding(binding.io)
+        logits, taps = binding.outputs["logits"], binding.outputs.get("taps")
+        for row_index, (index, row) in enumerate(zip(indices, rows)):
+            self.lengths[row.slot] = row.start + width
+            kept = slice(width - 1, width) if row.last_only else slice(0, width)
+            results[index] = (torch.from_numpy(logits[row_index, kept].copy()),  # the buffers are reused
+                              torch.from_numpy(taps[row_index].copy()) if with_taps and taps is not None else None)
+
+    def _binding(self, first: int, count: int, width: int) -> _Binding:
+        key = (first, count, width)
+        binding = self._bindings.pop(key, None)
+        if binding is None:
+            binding = _Binding(self.session, self.keys, self.values, first, count, width, self.output_widths)
+            if len(self._bindings) >= self.KEPT_BINDINGS:
+                self._bindings.pop(next(iter(self._bindings)))
+        self._bindings[key] = binding  # most recently used last
+        return binding
 
 
 def _live_rows(lengths: np.ndarray) -> np.ndarray:

@@ -71,8 +71,8 @@ def test_backend_calls_match_torch(engine, plugin_graph, variant, slots):
     session = Session.load(engine, "torch")
     pair = session.pair
     graph = plugin_graph if variant == "plugin" else engine / "onnx" / "draft.onnx"
-    ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target.onnx", graph, 512,
-                             max_batch=4)
+    ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx", graph,
+                             512, max_batch=4)
     got, expected = _drive(ort_backend, slots), _drive(TorchBackend(pair, 512, 4), slots)
     assert len(got) == len(expected) > 0
     for a, b in zip(got, expected):
@@ -80,15 +80,30 @@ def test_backend_calls_match_torch(engine, plugin_graph, variant, slots):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
-def test_contiguous_slots_are_bound_in_place_and_scattered_slots_gathered(engine):
+def test_target_caches_are_updated_in_place_one_call_per_run_of_slots(engine):
+    """One-token rows in consecutive slots share one call whose cache inputs *and* present outputs are views of the
+    slot buffers (the attention nodes extend them in place); a multi-token row runs alone."""
     pair = Session.load(engine, "torch").pair
-    backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target.onnx",
+    backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx",
                          engine / "onnx" / "draft.onnx", 512, max_batch=4)
     network = backend._target
-    keys, values = network._bound_caches([1, 2, 3])
-    assert np.shares_memory(keys, network.keys) and np.shares_memory(values, network.values)
-    keys, _ = network._bound_caches([0, 2])
-    assert not np.shares_memory(keys, network.keys) and keys.shape[0] == 2
+    calls = []
+    run = network.session.run_with_iobinding
+    network.session.run_with_iobinding = lambda io: (calls.append(io), run(io))
+    for slot in range(4):
+        backend.reset_slot(slot)
+    backend.target_batch([TargetRow(slot, PROMPTS[0], 0) for slot in range(4)], False)
+    assert len(calls) == 4  # several new tokens after a past: one row per call
+    calls.clear()
+    before = network.keys.copy()
+    backend.target_batch([TargetRow(slot, [9], len(PROMPTS[0])) for slot in (0, 1, 3)], False)
+    assert len(calls) == 2  # slots 0-1 together, slot 3 alone
+    binding = network._bindings[(0, 2, 1)]
+    assert all(np.shares_memory(view, network.keys) or np.shares_memory(view, network.values)
+               for view in binding.caches)
+    written = np.argwhere((network.keys != before).any(axis=(0, 2, 4)))  # (slot, position) pairs changed
+    assert {tuple(p) for p in written} == {(0, 7), (1, 7), (3, 7)}
+    assert network.lengths == [8, 8, 7, 8]
 
 
 def test_session_refuses_a_batch_wider_than_the_engine_was_built_for(engine):
