@@ -86,8 +86,8 @@ class RequestMemory:
 
     @property
     def probed(self) -> bool:
-        """Measured for ``PROBE_CYCLES`` cycles (recent ones: the tracker's window is longer)."""
-        return len(self.tracker.cycles) >= PROBE_CYCLES
+        """Measured for ``PROBE_CYCLES`` recent cycles (or a whole acceptance window, if that is shorter)."""
+        return len(self.tracker.cycles) >= min(PROBE_CYCLES, self.tracker.window)
 
 
 @dataclass
@@ -120,11 +120,15 @@ class AutoPlanner:
         """The prior has seen enough requests to judge a new one by (``INFORMED_REQUESTS``)."""
         return self.sampled_requests >= INFORMED_REQUESTS
 
-    def observed(self, drafted: int, accepted: int) -> None:
-        """A cycle of this step finished. One that drafted changes the acceptance data, so the next step
-        re-plans; an exploring one refunds the plain time of the drafts it got accepted."""
+    def observed(self, request: RequestMemory, drafted: int, accepted: int) -> None:
+        """A cycle of ``request`` finished this step. One that drafted changes the acceptance data, so the next
+        step re-plans (and a request drafting for the first time is one more the prior has seen); an exploring
+        one refunds the plain time of the drafts it got accepted."""
         if drafted:
             self._dirty = True
+            if not request.sampled:
+                request.sampled = True
+                self.sampled_requests += 1
         plan = self._cached
         if plan is not None and plan.reason == "explore" and accepted:
             self.credit_s += plan.plain_step_s * accepted / len(plan.lengths)
@@ -144,10 +148,6 @@ class AutoPlanner:
         self._age += 1
         plan = self._cached
         self.credit_s = min(self.credit_s + EXPLORE_BUDGET * plan.plain_step_s, self.credit_cap_s)
-        for request in requests:
-            if not request.sampled and request.tracker.cycles:
-                request.sampled = True
-                self.sampled_requests += 1
         for request, length in zip(requests, plan.lengths):
             request.idle_steps = 0 if length else request.idle_steps + 1
         return plan

@@ -175,7 +175,7 @@ class Scheduler:
             self.backend.crop_target_slot(entry.state.slot, entry.state.start)
             entry.memory.tracker.observe(cycle.drafted, cycle.accepted)
             self.prior.observe(cycle.drafted, cycle.accepted)
-            self.planner.observed(cycle.drafted, cycle.accepted)
+            self.planner.observed(entry.memory, cycle.drafted, cycle.accepted)
             entry.sink(cycle)
             if entry.state.finished:
                 self._release(entry)

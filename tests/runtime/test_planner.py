@@ -79,7 +79,7 @@ def test_exploration_never_costs_more_than_its_budget_when_drafts_are_always_rej
                 planner.step_took(took)
                 current.tracker.observe(plan.lengths[0], 0)
                 prior.observe(plan.lengths[0], 0)
-                planner.observed(plan.lengths[0], 0)
+                planner.observed(current, plan.lengths[0], 0)
     one = costs.step(1, 1, 15) * underestimate - costs.step(1, 0, 0)
     assert 10 <= explorations < 200  # it keeps sampling new requests, not all of them ...
     assert explored_cost <= EXPLORE_BUDGET * plain_time + 3 * one  # ... within the budget (+ bank, overdraft)
@@ -113,7 +113,7 @@ def test_plans_are_reused_until_new_acceptance_data_arrives(machine):
     batch = [request(), request()]
     first = planner.plan(batch)
     assert planner.plan(batch) is first  # nothing changed
-    planner.observed(first.lengths[0] or 1, 0)
+    planner.observed(batch[0], first.lengths[0] or 1, 0)
     assert planner.plan(batch) is not first
 
 
@@ -146,7 +146,7 @@ def serve_one_by_one(planner: AutoPlanner, costs: CostModel, requests: list[tupl
                 accepted = min(accept, length)
                 memory.tracker.observe(length, accepted)
                 planner.prior.observe(length, accepted)
-                planner.observed(length, accepted)
+                planner.observed(memory, length, accepted)
             produced += 1 + (accepted if length else 0)
             planner.step_took(costs.step(1, 1 if length else 0, length))
             lengths.append(length)
@@ -184,7 +184,7 @@ def test_only_a_prior_that_has_seen_enough_requests_retires_a_request():
     planner.sampled_requests = INFORMED_REQUESTS
     for _ in range(PROBE_CYCLES):
         rejected.tracker.observe(15, 0)
-    planner.observed(15, 0)
+    planner.observed(rejected, 15, 0)
     assert planner.plan([rejected]).lengths == [0] and rejected.retired
 
 
@@ -226,3 +226,25 @@ def test_traffic_slower_than_the_calibration_does_not_make_drafting_look_cheaper
     prior = prior_with([(15, 4)] * 100)
     planner = informed(costs, prior)
     assert planner.plan([request(3) for _ in range(16)]).lengths == [0] * 16
+
+
+def test_the_prior_counts_each_request_that_drafted_once():
+    planner = AutoPlanner(engine_like_costs(), AcceptanceTracker(256, 64))
+    first, second = request(), request()
+    planner.observed(first, 15, 3)
+    planner.observed(first, 15, 15)
+    planner.observed(second, 0, 0)  # a plain step tells nothing about the drafter
+    assert planner.sampled_requests == 1
+    planner.observed(second, 7, 0)
+    assert planner.sampled_requests == 2
+
+
+def test_a_probe_ends_after_its_cycles_or_a_whole_acceptance_window():
+    default, short_window = request(), RequestMemory(15, AcceptanceTracker(2, 15))
+    for _ in range(2):
+        default.tracker.observe(15, 1)
+        short_window.tracker.observe(15, 1)
+    assert not default.probed and short_window.probed
+    for _ in range(PROBE_CYCLES - 2):
+        default.tracker.observe(15, 1)
+    assert default.probed
