@@ -55,15 +55,15 @@ def ordered_sum(x: Tensor, dim: int) -> Tensor:
     any power of two) leave the result unchanged; the final ``+ 0.0`` makes a zero sum ``+0.0`` so that the
     sign of a zero cannot depend on the padding. Shapes: ``[..., n, ...]`` -> the same without ``dim``.
     """
-    x = x.movedim(dim, -1)
-    length = x.shape[-1]
+    dim = dim % x.dim()
+    length = x.shape[dim]
     padded = 1 << max(length - 1, 0).bit_length()
     if padded != length:
-        x = F.pad(x, (0, padded - length))
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0] + 0.0
+        x = torch.cat([x, x.new_zeros(*x.shape[:dim], padded - length, *x.shape[dim + 1:])], dim=dim)
+    while x.shape[dim] > 1:
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x.squeeze(dim) + 0.0
 
 
 def exp(x: Tensor) -> Tensor:
@@ -80,9 +80,9 @@ def _exp_float64(x: Tensor) -> Tensor:
     x = x.clamp(*EXP_INPUT_RANGE)
     k = torch.round(x * (1 / math.log(2)))
     r = x - k * math.log(2)
-    poly = torch.full_like(r, 1 / math.factorial(EXP_POLY_DEGREE))
-    for n in range(EXP_POLY_DEGREE - 1, -1, -1):
-        poly = poly * r + 1 / math.factorial(n)
+    poly = r * (1 / math.factorial(EXP_POLY_DEGREE)) + 1 / math.factorial(EXP_POLY_DEGREE - 1)
+    for n in range(EXP_POLY_DEGREE - 2, -1, -1):
+        poly = poly.mul_(r).add_(1 / math.factorial(n))
     two_to_k = ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
     return poly * two_to_k
 
@@ -136,9 +136,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, 
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, -math.inf)
     weights = exp(scores - scores.amax(-1, keepdim=True))  # masked keys: exactly +0
-    total = ordered_sum(weights, -1)  # [B, nq, T]
-    mixed = ordered_sum(weights.unsqueeze(-1) * v.unsqueeze(-3), -2)  # [B, nq, T, d]
-    return (mixed / total.unsqueeze(-1)).to(q.dtype)
+    # one tree for the weighted values and, in a last column of ones, the weights' total; the keys are
+    # zero-padded to ordered_sum's power of two before the product, which is then all it would add
+    keys = v.shape[-2]
+    padding = (1 << max(keys - 1, 0).bit_length()) - keys
+    weights = F.pad(weights, (0, padding))  # [B, nq, T, P]
+    v_and_one = F.pad(torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1), (0, 0, 0, padding))  # [B, nq, P, d+1]
+    mixed = ordered_sum(weights.unsqueeze(-1) * v_and_one.unsqueeze(-3), -2)  # [B, nq, T, d+1]
+    return (mixed[..., :-1] / mixed[..., -1:]).to(q.dtype)
 
 
 class _AttentionMode(TorchFunctionMode):
