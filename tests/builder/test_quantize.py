@@ -455,3 +455,18 @@ def test_fp8_w8a8_speculative_equals_plain_on_the_held_out_prompts_that_used_to_
         plain = session.generate(prompts[index], params.model_copy(update={"block_len": 1}))
         assert speculative.token_ids == plain.token_ids, index
         assert speculative.stats.mean_acceptance_length > 1.5  # the drafter was really accepted
+
+
+def test_fp8_w8a8_speculative_requests_sharing_forwards_equal_plain_decoding_alone(quantized, stories):
+    """Up to 4 requests per forward, at different positions: a request's rows do not depend on the others'."""
+    state, quant_config = quantized["fp8"]
+    target = dequantize_into(copy.deepcopy(stories), state, quant_config, "quantized")
+    _, tokenizer = load_target(embedded_target_path())
+    pair = ModelPair(target, drafter_for(target), tokenizer, embedded_target_path(), None)
+    prompts = [read_prompts(HELD_OUT_PROMPTS)[index] for index in DIVERGED_BEFORE]
+    params = SamplingParams(max_new_tokens=80, block_len=16, stop_token_ids=())
+    with Session(pair) as alone:
+        plain = [alone.generate(prompt, params.model_copy(update={"block_len": 1})).token_ids for prompt in prompts]
+    with Session(pair, max_batch=4) as shared:
+        handles = [shared.submit(prompt, params) for prompt in prompts]
+        assert [handle.result().token_ids for handle in handles] == plain
