@@ -1,6 +1,6 @@
 """Produce the numbers of docs/quantization.md: τ, agreement and weight bytes per quantisation mode.
 
-Run from the repository root (about 5 minutes on one CPU thread)::
+Run from the repository root (about 17 minutes on one thread of a shared 2-core machine)::
 
     .venv/bin/python tools/quantization_report.py --out /tmp/quantization_report.json
     .venv/bin/python tools/quantization_report.py --backend onnxruntime --engines /tmp/quant-engines
