@@ -201,6 +201,36 @@ class _BoundKeys:
         return attend(q, keys, values, self.masks[attn.mask_kind])
 
 
+class _FusedBoundKeys(_BoundKeys):
+    """:class:`_BoundKeys` with RoPE and attention as single ONNX nodes (``RotaryEmbedding``, ``Attention``, opset
+    23): the layer's projections stay ``[B, rows, heads*d]``, the bound cache rows are the attention's past. Shapes:
+    cos/sin ``[P, d/2]``; positions ``[B, C]`` (context) and ``[B, T]`` (block)."""
+
+    def __init__(self, key_cache: Tensor, value_cache: Tensor, live: int, masks: dict[tuple[bool, bool], Tensor],
+                 context_positions: Tensor, block_positions: Tensor, cos: Tensor, sin: Tensor) -> None:
+        super().__init__(key_cache, value_cache, live, masks)
+        self.context_positions, self.block_positions, self.cos, self.sin = context_positions, block_positions, cos, sin
+
+    def attend(self, layer: int, attn, q: Tensor, context_k: Tensor, context_v: Tensor, block_k: Tensor,
+               block_v: Tensor) -> Tensor:
+        def rotate(x: Tensor, positions: Tensor, heads: int) -> Tensor:
+            return torch.onnx.ops.rotary_embedding(x, self.cos, self.sin, positions, num_heads=heads)
+
+        heads, kv_heads = attn.num_heads, attn.num_kv_heads
+        context = context_k.shape[1]
+        keys = torch.cat([rotate(context_k, self.context_positions, kv_heads),
+                          rotate(block_k, self.block_positions, kv_heads)], dim=1)  # [B, C+T, nkv*d]
+        values = torch.cat([context_v, block_v], dim=1)
+        out, present_keys, present_values, _ = torch.onnx.ops.attention(
+            rotate(q, self.block_positions, heads), keys, values, self.masks[attn.mask_kind],
+            self.key_cache[:, layer, :, :self.live], self.value_cache[:, layer, :, :self.live],
+            q_num_heads=heads, kv_num_heads=kv_heads)
+        # present = [past ; context ; block], [B, nkv, K+C+T, d]: the context rows are the ones to keep
+        self.new_keys.append(present_keys[:, :, self.live:self.live + context])
+        self.new_values.append(present_values[:, :, self.live:self.live + context])
+        return out  # [B, T, nq*d]
+
+
 class DraftGraph(nn.Module):
     """``DraftHead`` plus the borrowed embedding and LM head as a function of (block, context, bound caches).
 
@@ -208,11 +238,15 @@ class DraftGraph(nn.Module):
     key source (bound caches) is the graph's own.
     """
 
-    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor, fused: bool = False) -> None:
         super().__init__()
         self.head = head
         self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
         self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
+        self.fused = fused  # RoPE and attention as single opset-23 nodes (ONNX Runtime engines)
+        half = head.config.head_dim // 2
+        self.register_buffer("rope_cos", head.rotary.cos[:, :half].clone(), persistent=False)
+        self.register_buffer("rope_sin", head.rotary.sin[:, :half].clone(), persistent=False)
 
     def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
                 cache_positions: Tensor, cache_lengths: Tensor, key_cache: Tensor, value_cache: Tensor
@@ -230,7 +264,11 @@ class DraftGraph(nn.Module):
             window = head.config.sliding_window if sliding else 0
             masks[(causal, sliding)] = _additive(((valid & visible(queries, key_positions, causal, window))
                                                   | padding).unsqueeze(1))
-        keys = _BoundKeys(key_cache, value_cache, cache_positions.shape[0], masks)
+        if self.fused:
+            keys = _FusedBoundKeys(key_cache, value_cache, cache_positions.shape[0], masks, context_positions,
+                                   block_positions, self.rope_cos, self.rope_sin)
+        else:
+            keys = _BoundKeys(key_cache, value_cache, cache_positions.shape[0], masks)
         embeds = F.embedding(block, self.embed) * head.config.input_embedding_scale
         hidden = head.run_layers(embeds, taps, head.rotary.lookup(block_positions, embeds.dtype),
                                  head.rotary.lookup(context_positions, embeds.dtype), keys)
@@ -379,7 +417,7 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
             torch.full((_EXAMPLE_BATCH,), 3),
             torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
     cache_dims = {0: batch, 3: cache_len}
-    graph = DraftGraph(head, target.embed_tokens.weight, target.lm_head.weight)
+    graph = DraftGraph(head, target.embed_tokens.weight, target.lm_head.weight, fused=limits.opset >= OPSET_ONNXRUNTIME)
     return _export(graph, args, DRAFT_INPUTS, DRAFT_OUTPUTS,
                    {"block": {0: batch, 1: block}, "block_positions": {0: batch, 1: block},
                     "taps": {0: batch, 1: context}, "context_positions": {0: batch, 1: context},

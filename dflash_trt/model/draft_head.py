@@ -18,7 +18,7 @@ keys come from differs, and that is a :class:`KeySource`:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,16 @@ class KeySource(Protocol):
                  block_k: Tensor, block_v: Tensor) -> Tensor: ...
 
 
+@runtime_checkable
+class FusedKeySource(Protocol):
+    """A key source that also rotates (the ONNX Runtime engine graph: RoPE and attention as single ONNX nodes,
+    ``builder/export_onnx.py``). Shapes: q ``[B, T, nq*d]``; context_k/v ``[Bc, c, nkv*d]``; block_k/v ``[B, T,
+    nkv*d]`` (normed, not rotated) -> ``[B, T, nq*d]``."""
+
+    def attend(self, layer: int, attn: DraftAttention, q: Tensor, context_k: Tensor, context_v: Tensor,
+               block_k: Tensor, block_v: Tensor) -> Tensor: ...
+
+
 class DraftAttention(nn.Module):
     """Qwen3 attention whose keys/values also cover the injected context rows (docs/algorithm.md §2.4)."""
 
@@ -77,27 +87,32 @@ class DraftAttention(nn.Module):
         """(causal, windowed): the layers sharing one attention mask."""
         return self.causal, self.sliding
 
-    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Queries of the block rows: ``q_norm`` before RoPE. Shapes: x ``[B, T, H]`` -> ``[B, nq, T, d]``."""
+    def project_q(self, x: Tensor) -> Tensor:
+        """Queries of the block rows, ``q_norm``-ed, not rotated. Shapes: x ``[B, T, H]`` -> ``[B, T, nq, d]``."""
         batch, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim))
-        return apply_rope(q.transpose(1, 2), cos, sin)
+        return self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim))
 
-    def project_kv(self, rows: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """K/V of context or block rows: ``k_norm`` before RoPE. Shapes: rows ``[B, S, H]`` -> ``[B, nkv, S, d]``."""
+    def project_kv(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """K (``k_norm``-ed, not rotated) and V of context or block rows. Shapes: rows ``[B, S, H]`` -> ``[B, S, nkv,
+        d]`` each."""
         batch, length, _ = rows.shape
         k = self.k_norm(self.k_proj(rows).view(batch, length, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(rows).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k.transpose(1, 2), cos, sin), v
+        return k, self.v_proj(rows).view(batch, length, self.num_kv_heads, self.head_dim)
 
     def forward(self, layer: int, x: Tensor, ctx: Tensor, block_rope: Rope, context_rope: Rope,
-                keys: KeySource) -> Tensor:
+                keys: KeySource | FusedKeySource) -> Tensor:
         """Shapes: x ``[B, T, H]`` (normed block), ctx ``[Bc, c, H]`` (fused context, not normed again)
         -> ``[B, T, H]``. RoPE tables are ``[B, 1, T, d]`` and ``[Bc, 1, c, d]``."""
-        q = self.project_q(x, *block_rope)
-        context_k, context_v = self.project_kv(ctx, *context_rope)
-        block_k, block_v = self.project_kv(x, *block_rope)
-        return self.o_proj(keys(layer, self, q, context_k, context_v, block_k, block_v))
+        q = self.project_q(x)
+        context_k, context_v = self.project_kv(ctx)
+        block_k, block_v = self.project_kv(x)
+        if isinstance(keys, FusedKeySource):
+            return self.o_proj(keys.attend(layer, self, q.flatten(2), context_k.flatten(2), context_v.flatten(2),
+                                           block_k.flatten(2), block_v.flatten(2)))
+        q = apply_rope(q.transpose(1, 2), *block_rope)
+        context_k = apply_rope(context_k.transpose(1, 2), *context_rope)
+        block_k = apply_rope(block_k.transpose(1, 2), *block_rope)
+        return self.o_proj(keys(layer, self, q, context_k, context_v.transpose(1, 2), block_k, block_v.transpose(1, 2)))
 
 
 class DraftLayer(nn.Module):

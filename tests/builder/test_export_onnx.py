@@ -57,6 +57,8 @@ def test_standard_drafter_graph_uses_only_standard_ops(engine):
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     assert dims["key_cache"] == ["batch", 2, 4, "cache_len", 8]  # the 2-layer test drafter
     assert dims["taps"][:2] == dims["context_positions"] == ["batch", "context"]
+    ops = [node.op_type for node in model.graph.node]  # ONNX Runtime engines: opset-23 single-node RoPE/attention
+    assert ops.count("Attention") == 2 and ops.count("RotaryEmbedding") == 6 and "Softmax" not in ops
 
 
 def test_plugin_drafter_graph_has_one_node_per_layer_with_trt_plugin_attributes(tmp_path_factory):
