@@ -17,6 +17,13 @@ its own has none): the machine got busier, the served contexts are longer than t
 forward run between forwards of the other network runs slower than the same forward repeated (on a 2-core
 CPU, ONNX Runtime: online / calibrated 1.6-2.2x for verify, 2.3-3.4x for draft). The decision then rests
 on ratios measured in traffic on this machine, not on how fast it was when the session started.
+
+For the same reason a point's own measurements expire: one not measured for ``_STALE_STEPS`` steps falls back
+to its calibration times the current drift (a drafting overhead, to the plain step's plus what drafting added
+where it was measured lately). Otherwise a burst of load on a shared machine while drafting leaves drafting
+priced at the burst's cost: plain decoding, measured every step, recovers; drafting, priced too dear to be
+tried, is never measured again (a c=1 session served 560 steps plainly on a 5 ms drafting overhead measured
+during such a burst, where drafting steps took 0.7-1.3 ms outside their forwards before and after it).
 """
 
 from __future__ import annotations
@@ -32,6 +39,12 @@ _HISTORY = 4096
 """Measurements per point kept for reports (:meth:`CostModel.breakdown` over a span of traffic)."""
 _TRUSTED = 3
 """Online measurements a point needs before its own median replaces its (drift-scaled) calibration time."""
+_STALE_STEPS = 256
+"""Scheduler steps after which a point's own measurements no longer count (it was not measured since)."""
+_REVIEW_STEPS = 16
+"""Steps between re-derivations of the drifts and of which points are stale (each measurement updates its own
+point at once, and every point at once if it moved a calibrated point by over 10%; re-deriving every point at
+every step cost ~0.1 ms of Python per step)."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +94,11 @@ class CostModel:
         # drafting step? -> batch size -> seconds of a step outside the forwards (per-request Python work
         # grows with the batch, so one number for all sizes would misprice batch 1 and batch 64 alike)
         self.overheads: dict[bool, dict[int, float]] = {False: {}, True: {}}
-        self._ratios: dict[tuple[str, int], dict[int, float]] = {}  # (kind, batch) -> width -> online/calibrated
-        self._drifts: dict[str, dict[int, float]] = {"verify": {}, "draft": {}}  # kind -> batch -> median ratio
+        self._steps = 0  # scheduler steps measured (one overhead each)
+        self._last: dict[tuple, int] = {}  # the step of each point's last measurement
+        # what lookups read (they run several times per scheduler step), re-derived every ``_REVIEW_STEPS``:
+        self._estimates: dict[str, dict[tuple[int, int], float]] | None = None  # kind -> point -> seconds
+        self._drafting_overheads: dict[int, float] | None = None  # batch -> seconds, the trusted ones
         self._samples: dict[tuple, deque[float]] = {}
         self._history: dict[tuple, deque[float]] = {}  # longer record per point, for reports only
         self._counts: dict[tuple, int] = {}  # measurements ever recorded per point (marks index into history)
@@ -94,10 +110,15 @@ class CostModel:
         measured only from its ``_TRUSTED``-th step on: a session's first drafting step at batch 1 took 9 ms
         outside the forwards (first calls into the drafting code) where later ones took 0.7 ms, and that one
         sample alone made drafting look hopeless."""
+        self._steps += 1
+        if self._steps % _REVIEW_STEPS == 0:
+            self._estimates = self._drafting_overheads = None
         sample_key = ("overhead", drafting, batch)
         estimate = self._measured(sample_key, seconds)
         if self._counts[sample_key] >= _TRUSTED:
             self.overheads[drafting][batch] = estimate
+            if drafting and self._drafting_overheads is not None:
+                self._drafting_overheads[batch] = estimate
 
     def _measured(self, sample_key: tuple, seconds: float) -> float:
         """Keep one measurement; return the point's estimate: the median of its last ``_WINDOW``, the least
@@ -105,6 +126,7 @@ class CostModel:
         samples = self._samples.setdefault(sample_key, deque(maxlen=_WINDOW))
         self._history.setdefault(sample_key, deque(maxlen=_HISTORY)).append(seconds)
         self._counts[sample_key] = self._counts.get(sample_key, 0) + 1
+        self._last[sample_key] = self._steps
         samples.append(seconds)
         return statistics.median(samples) if len(samples) >= _TRUSTED else min(samples)
 
@@ -114,20 +136,23 @@ class CostModel:
         overhead plus what drafting added at the nearest sizes where both ran (interpolated between them):
         a plain step's overhead at the serving size is measured from its first steps, while borrowing the
         drafting overhead measured at batch 1 priced batch-16 drafting steps at 0.7 ms that took 2-2.7 ms."""
-        plain = self._overhead_at(False, batch)
+        plain = _overhead_at(self.overheads[False], batch)
         if not drafting:
             return plain
-        measured, plains = self.overheads[True], self.overheads[False]
+        plains = self.overheads[False]
+        if self._drafting_overheads is None:
+            self._drafting_overheads = {b: v for b, v in self.overheads[True].items()
+                                        if self._trusted(("overhead", True, b))}
+        measured = self._drafting_overheads
         both = sorted(b for b in measured if b in plains)
         if batch in measured or not both:
-            return max(self._overhead_at(True, batch), plain)
+            return max(_overhead_at(measured, batch), plain)
         return plain + max(_clamped(both, batch, lambda b: measured[b] - plains[b]), 0.0)
 
-    def _overhead_at(self, drafting: bool, batch: int) -> float:
-        table = self.overheads[drafting]
-        if len(table) <= 1:  # nothing or one size measured: assume it holds at every size
-            return next(iter(table.values()), 0.0)
-        return table[batch] if batch in table else _interpolate(sorted(table), batch, table.__getitem__)
+    def _trusted(self, sample_key: tuple) -> bool:
+        """Measured ``_TRUSTED`` times, lately (within ``_STALE_STEPS`` steps)."""
+        return (self._counts.get(sample_key, 0) >= _TRUSTED
+                and self._steps - self._last[sample_key] <= _STALE_STEPS)
 
     def step(self, batch: int, drafting: int, draft_len: int, context: int = 0) -> float:
         """Predicted seconds of one step: verify of ``draft_len + 1`` tokens per row, a draft call for
@@ -170,38 +195,51 @@ class CostModel:
         if (batch, width) not in self.calibrated[kind] and (batch, width) not in self.table[kind]:
             self._layout[kind] = None
         self.calibrated[kind][(batch, width)] = seconds
-        self._refresh_drift(kind, (batch, width))
+        self._estimates = None
 
     def record(self, kind: str, batch: int, width: int, seconds: float) -> None:
         """One forward measured in traffic."""
         key = (batch, width)
         if key not in self.table[kind] and key not in self.calibrated[kind]:
             self._layout[kind] = None
-        self.table[kind][key] = self._measured((kind, batch, width), seconds)
-        self._refresh_drift(kind, key)
+        value = self.table[kind][key] = self._measured((kind, batch, width), seconds)
+        if self._estimates is None or (key in self.calibrated[kind] and not self._trusted((kind, *key))):
+            return
+        before = self._estimates[kind].get(key)
+        if key in self.calibrated[kind] and (before is None or abs(value - before) > 0.1 * before):
+            self._estimates = None  # a drift moved: re-derive every point now
+        else:
+            self._estimates[kind][key] = value  # small moves reach the drifts at the next review
 
-    def _refresh_drift(self, kind: str, key: tuple[int, int]) -> None:
-        calibrated = self.calibrated[kind].get(key)
-        if calibrated and self._counts.get((kind, *key), 0) >= _TRUSTED:
-            ratios = self._ratios.setdefault((kind, key[0]), {})
-            ratios[key[1]] = self.table[kind][key] / calibrated
-            self._drifts[kind][key[0]] = statistics.median(ratios.values())
+    def drifts(self) -> dict[str, dict[int, float]]:
+        """Per kind and batch size: online / calibrated time, the median over the calibrated points traffic
+        measured lately (trusted)."""
+        drifts: dict[str, dict[int, float]] = {"verify": {}, "draft": {}}
+        for kind, ratios in drifts.items():
+            by_batch: dict[int, list[float]] = {}
+            for key, calibrated in self.calibrated[kind].items():
+                if key in self.table[kind] and self._trusted((kind, *key)):
+                    by_batch.setdefault(key[0], []).append(self.table[kind][key] / calibrated)
+            ratios.update({batch: statistics.median(values) for batch, values in by_batch.items()})
+        return drifts
 
-    def drift(self, kind: str, batch: int) -> float:
-        """Online / calibrated time of ``kind`` forwards at this batch size, else at the nearest batch size
-        where traffic measured one (the larger on a tie), else the other network's; 1 before any."""
-        for drifts in (self._drifts[kind], self._drifts["draft" if kind == "verify" else "verify"]):
-            if drifts:
-                return drifts[min(drifts, key=lambda b: (abs(b - batch), -b))]
-        return 1.0
-
-    def _value(self, kind: str, key: tuple[int, int]) -> float:
-        """A point's estimate: its online median once trusted (or where it was never calibrated), else its
-        calibration time times the drift at its batch size."""
-        calibrated = self.calibrated[kind].get(key)
-        if calibrated is None or (key in self.table[kind] and self._counts[(kind, *key)] >= _TRUSTED):
-            return self.table[kind][key]
-        return calibrated * self.drift(kind, key[0])
+    def _estimate_table(self, kind: str) -> dict[tuple[int, int], float]:
+        """Every point's estimate: its online median while trusted (or where it was never calibrated), else its
+        calibration time times the drift of its kind at its batch size, else at the nearest batch size with one
+        (the larger on a tie), else the other network's there; 1 before any."""
+        if self._estimates is None:
+            drifts, self._estimates = self.drifts(), {}
+            for of, other in (("verify", "draft"), ("draft", "verify")):
+                table, calibrated = self.table[of], self.calibrated[of]
+                estimates = self._estimates[of] = {}
+                for key in calibrated.keys() | table.keys():
+                    if key not in calibrated or (key in table and self._trusted((of, *key))):
+                        estimates[key] = table[key]
+                    else:
+                        near = drifts[of] or drifts[other]
+                        drift = near[min(near, key=lambda b: (abs(b - key[0]), -b))] if near else 1.0
+                        estimates[key] = calibrated[key] * drift
+        return self._estimates[kind]
 
     def verify(self, batch: int, width: int) -> float:
         return self._lookup("verify", batch, width)
@@ -225,15 +263,14 @@ class CostModel:
         decoding look expensive and lock the policy into drafting)."""
         if not self.table[kind] and not self.calibrated[kind]:
             raise LookupError(f"no {kind} costs measured yet; calibrate first")
-        def value(key: tuple[int, int]) -> float:
-            return self._value(kind, key)
-
-        if (batch, width) in self.table[kind] or (batch, width) in self.calibrated[kind]:
-            estimate = value((batch, width))
+        estimates = self._estimate_table(kind)
+        if (batch, width) in estimates:
+            estimate = estimates[(batch, width)]
         else:
             batches, widths = self._sorted_keys(kind)
-            estimate = _interpolate(batches, batch, lambda b: _interpolate(widths[b], width, lambda w: value((b, w))))
-        larger = [value(key) for key in (self.calibrated[kind] or self.table[kind])
+            estimate = _interpolate(batches, batch,
+                                    lambda b: _interpolate(widths[b], width, lambda w: estimates[(b, w)]))
+        larger = [estimates[key] for key in (self.calibrated[kind] or self.table[kind])
                   if key[0] >= batch and key[1] >= width]
         return min([estimate, *larger])
 
@@ -268,3 +305,10 @@ def _clamped(points: list[int], x: int, value) -> float:
     index = bisect.bisect_left(points, x)
     low, high = points[index - 1], points[index]
     return value(low) + (value(high) - value(low)) * (x - low) / (high - low)
+
+
+def _overhead_at(table: dict[int, float], batch: int) -> float:
+    """A step overhead at ``batch`` from those measured at other sizes (0 if none)."""
+    if len(table) <= 1:  # nothing or one size measured: assume it holds at every size
+        return next(iter(table.values()), 0.0)
+    return table[batch] if batch in table else _interpolate(sorted(table), batch, table.__getitem__)

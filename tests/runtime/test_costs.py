@@ -147,3 +147,21 @@ def test_drafting_overhead_where_only_plain_steps_ran_adds_what_drafting_added_e
     assert costs.overhead(True, 16) == pytest.approx(1e-3 + 9e-4)  # beyond the last: held, not extrapolated
     overhead(costs, False, 2, 3e-4)
     assert costs.overhead(True, 2) == pytest.approx(3e-4 + 5e-4 + 4e-4 / 3)  # between: interpolated
+
+
+def test_points_not_measured_lately_fall_back_to_their_calibration_at_the_current_drift():
+    """A burst of load while drafting, then only plain steps: what drafting costs must not stay at the burst's
+    price (nothing would ever measure it again)."""
+    costs = grid()
+    overhead(costs, False, 1, 2e-4)
+    for _ in range(3):
+        costs.record("verify", 1, 1, costs.calibrated["verify"][(1, 1)])
+        costs.record("verify", 1, 16, 3 * costs.calibrated["verify"][(1, 16)])  # during the burst
+        costs.record_overhead(True, 1, 5e-3)
+    assert costs.verify(1, 16) > 2 * costs.calibrated["verify"][(1, 16)]
+    assert costs.overhead(True, 1) == pytest.approx(5e-3)
+    for _ in range(300):  # plain decoding only, at the calibrated speed
+        costs.record("verify", 1, 1, costs.calibrated["verify"][(1, 1)])
+        costs.record_overhead(False, 1, 2e-4)
+    assert costs.verify(1, 16) == pytest.approx(costs.calibrated["verify"][(1, 16)])
+    assert costs.overhead(True, 1) == pytest.approx(2e-4)  # no drafting step measured lately: as a plain one

@@ -248,3 +248,17 @@ def test_a_probe_ends_after_its_cycles_or_a_whole_acceptance_window():
     for _ in range(PROBE_CYCLES - 2):
         default.tracker.observe(15, 1)
     assert default.probed
+
+
+def test_drafting_resumes_once_a_burst_of_load_measured_while_drafting_is_stale():
+    costs = engine_like_costs()
+    planner = informed(costs, prior_with([(15, 5)] * 100))
+    planner.credit_s = 0.0  # no exploration: the cost estimate alone decides
+    for _ in range(9):  # a burst: drafting steps took 5 ms outside their forwards
+        costs.record_overhead(True, 1, 5e-3)
+    assert planner.plan([request()]).lengths == [0]
+    for _ in range(300):  # plain steps at the usual speed
+        costs.record("verify", 1, 1, costs.calibrated["verify"][(1, 1)])
+        costs.record_overhead(False, 1, 0.2e-3)
+    plan = planner.plan([request()])
+    assert plan.reason == "exploit" and plan.lengths[0] > 0
