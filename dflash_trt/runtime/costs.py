@@ -115,7 +115,7 @@ class CostModel:
             self._estimates = self._drafting_overheads = None
         sample_key = ("overhead", drafting, batch)
         estimate = self._measured(sample_key, seconds)
-        if self._counts[sample_key] >= _TRUSTED:
+        if self._trusted(sample_key):
             self.overheads[drafting][batch] = estimate
             if drafting and self._drafting_overheads is not None:
                 self._drafting_overheads[batch] = estimate
@@ -126,6 +126,8 @@ class CostModel:
         samples = self._samples.setdefault(sample_key, deque(maxlen=_WINDOW))
         self._history.setdefault(sample_key, deque(maxlen=_HISTORY)).append(seconds)
         self._counts[sample_key] = self._counts.get(sample_key, 0) + 1
+        if self._steps - self._last.get(sample_key, self._steps) > _STALE_STEPS:
+            samples.clear()  # expired: the point starts over, its old measurements do not come back with it
         self._last[sample_key] = self._steps
         samples.append(seconds)
         return statistics.median(samples) if len(samples) >= _TRUSTED else min(samples)
@@ -150,8 +152,8 @@ class CostModel:
         return plain + max(_clamped(both, batch, lambda b: measured[b] - plains[b]), 0.0)
 
     def _trusted(self, sample_key: tuple) -> bool:
-        """Measured ``_TRUSTED`` times, lately (within ``_STALE_STEPS`` steps)."""
-        return (self._counts.get(sample_key, 0) >= _TRUSTED
+        """Measured ``_TRUSTED`` times since it last expired, and lately (within ``_STALE_STEPS`` steps)."""
+        return (len(self._samples.get(sample_key, ())) >= _TRUSTED
                 and self._steps - self._last[sample_key] <= _STALE_STEPS)
 
     def step(self, batch: int, drafting: int, draft_len: int, context: int = 0) -> float:

@@ -165,3 +165,8 @@ def test_points_not_measured_lately_fall_back_to_their_calibration_at_the_curren
         costs.record_overhead(False, 1, 2e-4)
     assert costs.verify(1, 16) == pytest.approx(costs.calibrated["verify"][(1, 16)])
     assert costs.overhead(True, 1) == pytest.approx(2e-4)  # no drafting step measured lately: as a plain one
+    for _ in range(2):  # drafting again, at the usual cost: the burst's measurements do not come back
+        costs.record_overhead(True, 1, 6e-4)
+    assert costs.overhead(True, 1) == pytest.approx(2e-4)  # not trusted yet: as a plain step
+    costs.record_overhead(True, 1, 7e-4)
+    assert costs.overhead(True, 1) == pytest.approx(6e-4)
