@@ -10,7 +10,8 @@ in a forward to the graph without copying them. Padding tokens sit at position `
   the new K/V into the cache buffer at each row's length and attends over the rows before it, reading the buffer
   in place; the runtime binds every present output to its cache input, so nothing is copied and a step costs
   what its attention costs, whatever the context. ONNX Runtime's kernel takes ``T > 1`` after a past only for
-  ``B == 1``: rows adding several tokens run one per call (``plugins/onnxruntime/backend.py``).
+  ``B == 1``: rows adding several tokens run one per call (``plugins/onnxruntime/backend.py``; the kernels'
+  limits are in docs/environment.md §4.4).
 * ``target.onnx`` (TensorRT engines, opset 20): ``tokens [B, T]``, ``positions [B, T]`` int64,
   ``cache_positions [K]`` (the committed rows read), ``cache_lengths [B]`` int64, ``key_cache``/``value_cache
   [B, N, nkv, S, d]`` -> ``logits [B, T, V]``, ``taps [B, T, L*H]`` (outputs of the tapped layers in
@@ -143,6 +144,7 @@ class _InPlaceCache:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         keys, values = self.keys[layer], self.values[layer]
         # RoPE as ONNX RotaryEmbedding nodes: the kernel's own rotation needs head_dim % 16 == 0 on the CPU
+        # (docs/environment.md §4.4)
         q = torch.onnx.ops.rotary_embedding(q, self.cos, self.sin, self.positions, num_heads=self.heads)
         k = torch.onnx.ops.rotary_embedding(k, self.cos, self.sin, self.positions, num_heads=self.kv_heads)
         out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
@@ -225,7 +227,8 @@ class _FusedBoundKeys(_BoundKeys):
             rotate(q, self.block_positions, heads), keys, values, self.masks[attn.mask_kind],
             self.key_cache[:, layer, :, :self.live], self.value_cache[:, layer, :, :self.live],
             q_num_heads=heads, kv_num_heads=kv_heads)
-        # present = [past ; context ; block], [B, nkv, K+C+T, d]: the context rows are the ones to keep
+        # present = [past ; context ; block], [B, nkv, K+C+T, d]: the context rows are the ones to keep (the
+        # kernel needs its present output when given a past, docs/environment.md §4.4)
         self.new_keys.append(present_keys[:, :, self.live:self.live + context])
         self.new_values.append(present_values[:, :, self.live:self.live + context])
         return out  # [B, T, nq*d]
