@@ -316,6 +316,8 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
         kind, file = tokenizer
         (work / "tokenizer").mkdir()
         shutil.copyfile(file, work / "tokenizer" / file.name)
+        if (file.parent / "tokenizer_config.json").is_file():  # its chat template, for `serve --engine`
+            shutil.copyfile(file.parent / "tokenizer_config.json", work / "tokenizer" / "tokenizer_config.json")
         tokenizer_record = TokenizerRecord(kind=kind, path=f"tokenizer/{file.name}")
 
     backends: list[BackendName] = ["torch"]

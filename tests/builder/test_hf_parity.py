@@ -8,6 +8,7 @@ incremental decoding through our static cache with crop/rewind, the tapped hidde
 from __future__ import annotations
 
 import json
+import shutil
 import string
 from pathlib import Path
 
@@ -232,3 +233,22 @@ def test_text_prompt_generates_through_the_local_tokenizer(target_with_tokenizer
     assert result.prompt_ids == session.tokenizer.encode(prompt)
     assert len(result.token_ids) == 12
     assert result.text == session.tokenizer.decode(result.token_ids)
+
+
+def test_engine_keeps_the_tokenizer_and_its_chat_template(target_with_tokenizer: Path, tmp_path: Path):
+    """An engine folder carries tokenizer.json and tokenizer_config.json, so `serve --engine` renders chats with
+    the checkpoint's own template."""
+    from dflash_trt.builder.engine import BuildConfig, build_engine
+    from dflash_trt.serving.openai.chat_template import ChatTemplate
+
+    source = tmp_path / "target"
+    shutil.copytree(target_with_tokenizer, source)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    (source / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<s>"}))
+    engine = build_engine(BuildConfig(target=source, out=tmp_path / "engine", backend="torch")).folder
+    assert (engine / "tokenizer" / "tokenizer_config.json").read_bytes() == (source / "tokenizer_config.json"
+                                                                               ).read_bytes()
+    loaded = ChatTemplate.for_checkpoint([engine, engine / "tokenizer"])
+    assert loaded.origin == str(engine / "tokenizer" / "tokenizer_config.json") and loaded.eos_token == "<s>"
+    assert Session.load(engine).tokenizer.encode("Once upon a time") == load_target(source)[1].encode(
+        "Once upon a time")
