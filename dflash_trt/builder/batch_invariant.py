@@ -16,8 +16,8 @@ kernel takes it on a vector or a scalar path:
   (``x + 0 == x``), so a query's sum over its visible keys is the same bits with or without masked keys
   after them.
 - :func:`exp` evaluates ``e^x`` from its own range reduction and polynomial in float64, rounded once to
-  float32. torch's CPU ``exp``/``silu`` kernels compute an element on a vector or a scalar path depending on
-  where it falls in the tensor, and the two round differently.
+  float32. torch's CPU ``silu`` kernel computes an element on a vector or a scalar path depending on where it
+  falls in the tensor, and the two round differently; nothing in torch's contract rules that out for ``exp``.
 - On these: :func:`linear` (the unquantised linears: ``lm_head``, NVFP4's excluded layers), :func:`rms_norm`,
   :func:`silu`, :func:`attention` (softmax over the keys; the max is exact in any order).
 
@@ -57,13 +57,18 @@ def ordered_sum(x: Tensor, dim: int) -> Tensor:
     """
     dim = dim % x.dim()
     length = x.shape[dim]
-    padded = 1 << max(length - 1, 0).bit_length()
+    padded = _power_of_two_from(length)
     if padded != length:
         x = torch.cat([x, x.new_zeros(*x.shape[:dim], padded - length, *x.shape[dim + 1:])], dim=dim)
     while x.shape[dim] > 1:
         half = x.shape[dim] // 2
         x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
     return x.squeeze(dim) + 0.0
+
+
+def _power_of_two_from(length: int) -> int:
+    """The smallest power of two >= ``length`` (1 for 0 or 1): the width :func:`ordered_sum` adds over."""
+    return 1 << max(length - 1, 0).bit_length()
 
 
 def exp(x: Tensor) -> Tensor:
@@ -121,8 +126,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, 
     A query's scores are :func:`ordered_sum` dot products, its softmax takes the exact max of its scores,
     :func:`exp`, and ordered sums over the keys, so a query alone over its visible keys (a 1-token step) and
     the same query inside a verify forward with more queries and masked keys after its own are the same
-    bits. Memory is ``[B, heads, T, S, d]``. Shapes: q ``[B, nq, T, d]``; k, v ``[B, nkv, S, d]``; mask
-    ``[B|1, 1, T, S]`` bool (True = attend) or None -> ``[B, nq, T, d]``.
+    bits. Memory is ``[B, nq, T, P, d+1]`` (P: the key count rounded up to a power of two).
+    Shapes: q ``[B, nq, T, d]``; k, v ``[B, nkv, S, d]``; mask ``[B|1, 1, T, S]`` bool (True = attend) or
+    None -> ``[B, nq, T, d]``.
     """
     if dropout_p or is_causal or (attn_mask is not None and attn_mask.dtype != torch.bool):
         raise NotImplementedError("batch-invariant attention takes a boolean mask or none, without dropout")
@@ -138,8 +144,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, 
     weights = exp(scores - scores.amax(-1, keepdim=True))  # masked keys: exactly +0
     # one tree for the weighted values and, in a last column of ones, the weights' total; the keys are
     # zero-padded to ordered_sum's power of two before the product, which is then all it would add
-    keys = v.shape[-2]
-    padding = (1 << max(keys - 1, 0).bit_length()) - keys
+    padding = _power_of_two_from(v.shape[-2]) - v.shape[-2]
     weights = F.pad(weights, (0, padding))  # [B, nq, T, P]
     v_and_one = F.pad(torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1), (0, 0, 0, padding))  # [B, nq, P, d+1]
     mixed = ordered_sum(weights.unsqueeze(-1) * v_and_one.unsqueeze(-3), -2)  # [B, nq, T, d+1]
@@ -163,11 +168,15 @@ class BatchInvariantLinear(nn.Linear):
 
 
 class BatchInvariantRMSNorm(RMSNorm):
+    """``RMSNorm`` computed by :func:`rms_norm`."""
+
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
 
 
 class BatchInvariantSwiGLU(SwiGLU):
+    """``SwiGLU`` with :func:`silu`; its projections are quantised (exact) linears or ``BatchInvariantLinear``."""
+
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
