@@ -7,6 +7,7 @@ while pytest runs, so tests import the specs from there); the fixtures here shar
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -33,6 +34,20 @@ settings.register_profile(
 settings.load_profile(os.environ.get("DFLASH_HYPOTHESIS_PROFILE", "dflash"))
 
 
+@contextlib.contextmanager
+def _torch_forwards(mode: str):
+    """The torch backend's forward path for the sessions built meanwhile: eager (``0``) or ``static``."""
+    previous = os.environ.get("DFLASH_TORCH_COMPILE")
+    os.environ["DFLASH_TORCH_COMPILE"] = mode
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("DFLASH_TORCH_COMPILE")
+        else:
+            os.environ["DFLASH_TORCH_COMPILE"] = previous
+
+
 @pytest.fixture(scope="module", params=["eager", "static"])
 def torch_execution(request: pytest.FixtureRequest):
     """Runs a module twice: with the torch backend's eager forwards, and with the static-shape forwards its
@@ -40,13 +55,22 @@ def torch_execution(request: pytest.FixtureRequest):
     masks), uncompiled so that no test pays compile time. Every session built meanwhile uses that path
     (``Zoo.session`` keys its sessions by it); ``tests/plugins/torch_ref/test_graphs.py`` holds inductor's
     graphs to the same outputs."""
-    previous = os.environ.get("DFLASH_TORCH_COMPILE")
-    os.environ["DFLASH_TORCH_COMPILE"] = "0" if request.param == "eager" else "static"
-    yield request.param
-    if previous is None:
-        os.environ.pop("DFLASH_TORCH_COMPILE")
-    else:
-        os.environ["DFLASH_TORCH_COMPILE"] = previous
+    with _torch_forwards("0" if request.param == "eager" else "static"):
+        yield request.param
+
+
+@pytest.fixture(scope="module", params=["eager", "static", "onnxruntime"])
+def execution(request: pytest.FixtureRequest, zoo: Zoo):
+    """Runs a module three times: the two torch paths of ``torch_execution``, then ONNX Runtime engine folders
+    built from the same checkpoints (``Zoo.session`` builds one per pair: the engine's own graphs)."""
+    if request.param == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    with _torch_forwards("static" if request.param == "static" else "0"):
+        zoo.engine_backend = "onnxruntime" if request.param == "onnxruntime" else None
+        try:
+            yield request.param
+        finally:
+            zoo.engine_backend = None
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from tiny_models import PROMPT_VOCAB, DraftSpec, TargetSpec, Zoo, training_promp
 
 from dflash_trt.config import SamplingParams
 
-pytestmark = pytest.mark.usefixtures("torch_execution")  # eager and the static-shape (compiled) forwards
+pytestmark = pytest.mark.usefixtures("execution")  # torch eager, torch static shapes, ONNX Runtime engines
 
 ATOL = 1e-5  # float32 draft logits of two implementations of the same network
 

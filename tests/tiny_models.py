@@ -172,6 +172,8 @@ class Zoo:
     _drafters: dict = field(default_factory=dict)
     _sessions: dict = field(default_factory=dict)
     _hf: dict = field(default_factory=dict)
+    _engines: dict = field(default_factory=dict)
+    engine_backend: str | None = None  # set: sessions run engine folders of this backend built from the pairs
 
     def hf_target(self, spec: TargetSpec):
         """The in-memory transformers model saved by :meth:`target` (float32, eval)."""
@@ -221,10 +223,25 @@ class Zoo:
         """A ``Session`` over the pair (``draft=None``: target only, plain decoding)."""
         from dflash_trt.runtime.session import Session
 
-        key = (target, draft, os.environ.get("DFLASH_TORCH_COMPILE"))  # the torch backend's forward path
+        key = (target, draft, os.environ.get("DFLASH_TORCH_COMPILE"), self.engine_backend)  # the forward path
         if key not in self._sessions:
-            draft_path = self.drafter(target, draft) if draft is not None else None
-            self._sessions[key] = Session.from_checkpoints(self.target(target), draft_path)
+            if self.engine_backend is not None:
+                self._sessions[key] = Session.load(self.engine(target, draft))
+            else:
+                draft_path = self.drafter(target, draft) if draft is not None else None
+                self._sessions[key] = Session.from_checkpoints(self.target(target), draft_path)
         return self._sessions[key]
+
+    def engine(self, target: TargetSpec, draft: DraftSpec | None) -> Path:
+        """An engine folder of ``engine_backend`` built from the pair (``draft=None``: target only)."""
+        from dflash_trt.builder.engine import BuildConfig, build_engine
+
+        key = (target, draft, self.engine_backend)
+        if key not in self._engines:
+            draft_path = self.drafter(target, draft) if draft is not None else None
+            config = BuildConfig(target=self.target(target), draft=draft_path, backend=self.engine_backend,
+                                 out=self.root / f"engine-{len(self._engines)}-{self.engine_backend}")
+            self._engines[key] = build_engine(config).folder
+        return self._engines[key]
 
 

@@ -15,7 +15,7 @@ from tiny_models import PROMPT_VOCAB, DraftSpec, TargetSpec, training_prompts
 
 from dflash_trt.config import SamplingParams
 
-pytestmark = pytest.mark.usefixtures("torch_execution")  # eager and the static-shape (compiled) forwards
+pytestmark = pytest.mark.usefixtures("execution")  # torch eager, torch static shapes, ONNX Runtime engines
 
 QWEN3 = TargetSpec(family="qwen3")
 LLAMA = TargetSpec(family="llama", seed=1, num_layers=5)

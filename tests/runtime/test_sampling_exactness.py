@@ -7,8 +7,9 @@ Statistical method. Every check is Pearson's chi-square goodness-of-fit test of 
 against the *exact* target distribution (cells with an expected count below 5 are pooled; a token
 with zero target probability that is ever emitted fails outright). A check fails when its p-value is
 below ``ALPHA = 1e-3``: for a correct implementation each check raises a false alarm with probability
-1e-3, so the 17 checks of this file that expect a pass together stay below 2%. All random streams are seeded, so the
-outcome is deterministic: a failure is a reproducible bug, not noise. The negative controls feed
+1e-3, so the 41 checks of this file that expect a pass (the session-level ones on torch eager, torch static
+shapes and an ONNX Runtime engine) together stay below 5%. All random streams are seeded, so the outcome is
+deterministic: a failure is a reproducible bug, not noise. The negative controls feed
 deliberately wrong acceptance rules (always accept; bonus drawn from ``p`` instead of the residual)
 through the *same* check and require it to reject them, which shows the sample sizes have power.
 
@@ -16,7 +17,8 @@ through the *same* check and require it to reject them, which shows the sample s
     distributions, driven cycle by cycle through the real ``verify`` functions until two tokens are
     emitted. Exact: ``P(t1) = M[a0]``, ``P(t1, t2) = M[a0, t1] · M[t1, t2]``.
 (b) End to end through ``Session``: a tiny random transformers Qwen3 target (vocab 8) and a DFlash
-    drafter (block_len 4) saved in the z-lab format and loaded with ``load_pair``. Exact: the target's
+    drafter (block_len 4) saved in the z-lab format and loaded with ``load_pair`` (torch backend) or built
+    into an ONNX Runtime engine. Exact: the target's
     joint distribution of the first 4 generated tokens, enumerated with transformers over all 8**3
     prefixes and pushed through an independent float64 re-implementation of the T/top-k/top-p transform.
 """
@@ -178,20 +180,19 @@ CONTROL_TRIALS_B = 400
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory, torch_execution):
+def tiny_checkpoints(tmp_path_factory):
     """A vocab-8 Qwen3 target (transformers, saved with ``save_pretrained``) and an informative drafter.
 
     The drafter's ``DraftConfig`` is copied from the loaded target's config (docs/algorithm.md §2.2). Its layer
     outputs are scaled down and its final norm weight is solved so that the mask slots propose roughly
     the target's average next-token distribution: a random drafter is rejected almost always, which
-    would leave the acceptance path untested. Returns ``(session, hf_model)``.
+    would leave the acceptance path untested. Returns ``(folder, hf_model)``: ``folder/target``, ``folder/draft``.
     """
     transformers = pytest.importorskip("transformers")
     from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
-    from dflash_trt.builder.load import load_pair, load_target
+    from dflash_trt.builder.load import load_target
     from dflash_trt.config import DraftConfig
     from dflash_trt.model.draft_head import DraftHead
-    from dflash_trt.runtime.session import Session
 
     root = tmp_path_factory.mktemp("exactness")
     torch.manual_seed(0)
@@ -225,7 +226,32 @@ def tiny_pair(tmp_path_factory, torch_execution):
         # lm_head(norm.weight * normed_mask) = log(average): a least-squares solve for norm.weight
         head.norm.weight.copy_((torch.linalg.pinv(target.lm_head.weight) @ average.log()) / normed_mask)
     save_draft_checkpoint(head, root / "draft")
+    return root, hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_checkpoints, torch_execution):
+    """``(session, hf_model)`` on the torch backend (eager, then the static-shape forwards)."""
+    from dflash_trt.builder.load import load_pair
+    from dflash_trt.runtime.session import Session
+
+    root, hf_model = tiny_checkpoints
     return Session(load_pair(root / "target", root / "draft"), max_seq_len=32), hf_model
+
+
+@pytest.fixture(scope="module")
+def engine_pair(tiny_checkpoints):
+    """``(session, hf_model)`` on an ONNX Runtime engine built from the same checkpoints."""
+    pytest.importorskip("onnxruntime")
+    from dflash_trt.builder.engine import BuildConfig, build_engine
+    from dflash_trt.runtime.session import Session
+
+    root, hf_model = tiny_checkpoints
+    engine = build_engine(BuildConfig(target=root / "target", draft=root / "draft", out=root / "engine",
+                                      backend="onnxruntime", max_seq_len=32, max_batch_size=2)).folder
+    session = Session.load(engine)
+    assert session.backend.name == "onnxruntime"
+    return session, hf_model
 
 
 def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -300,7 +326,16 @@ SETTINGS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", SETTINGS)
 def test_speculative_session_output_follows_the_target_distribution(tiny_pair, sampling):
-    session, hf_model = tiny_pair
+    assert_follows_the_target_distribution(*tiny_pair, sampling)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", SETTINGS)
+def test_onnxruntime_engine_output_follows_the_target_distribution(engine_pair, sampling):
+    assert_follows_the_target_distribution(*engine_pair, sampling)
+
+
+def assert_follows_the_target_distribution(session, hf_model, sampling: dict) -> None:
     counts, stats = sample_first_tokens(session, TRIALS_B, **sampling)
     exact = exact_joint(hf_model, sampling["temperature"], sampling.get("top_k", 0), sampling.get("top_p", 1.0))
     histogram = stats.acceptance_histogram
