@@ -88,7 +88,7 @@ class CostModel:
     """Seconds per forward, keyed by (batch size, tokens per row)."""
 
     def __init__(self) -> None:
-        # online estimate per point: the median of its last measurements (read through ``_value``)
+        # online estimate per point: the median of its last measurements (lookups read ``_estimate_table``)
         self.table: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}
         self.calibrated: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}  # the grid
         # drafting step? -> batch size -> seconds of a step outside the forwards (per-request Python work
@@ -134,8 +134,8 @@ class CostModel:
 
     def overhead(self, drafting: bool, batch: int) -> float:
         """Step time outside the forwards at this batch size (0 until measured). A drafting step is assumed
-        no cheaper than a plain one; at a batch size where no drafting step ran yet, it is this size's plain
-        overhead plus what drafting added at the nearest sizes where both ran (interpolated between them):
+        no cheaper than a plain one; at a batch size where no drafting step ran lately, it is this size's plain
+        overhead plus what drafting added at the nearest sizes where both ran lately (interpolated between them):
         a plain step's overhead at the serving size is measured from its first steps, while borrowing the
         drafting overhead measured at batch 1 priced batch-16 drafting steps at 0.7 ms that took 2-2.7 ms."""
         plain = _overhead_at(self.overheads[False], batch)
