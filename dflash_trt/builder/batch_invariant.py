@@ -34,7 +34,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from dflash_trt.model.layers import RMSNorm, SwiGLU
 from dflash_trt.model.target import TargetAttention, TargetModel
@@ -151,15 +150,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, 
     return (mixed[..., :-1] / mixed[..., -1:]).to(q.dtype)
 
 
-class _AttentionMode(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` to :func:`attention` and every other call through unchanged."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            return attention(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
 class BatchInvariantLinear(nn.Linear):
     """An unquantised ``nn.Linear`` computed by :func:`linear` (same parameters, so a tied ``lm_head`` stays tied)."""
 
@@ -184,16 +174,15 @@ class BatchInvariantSwiGLU(SwiGLU):
 class BatchInvariantAttention(TargetAttention):
     """The target's attention block with its scaled dot-product attention done by :func:`attention`."""
 
-    def forward(self, *args, **kwargs) -> Tensor:
-        with _AttentionMode():
-            return super().forward(*args, **kwargs)
+    kernel = staticmethod(attention)
 
 
 BATCH_INVARIANT_FORMS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: BatchInvariantLinear, RMSNorm: BatchInvariantRMSNorm, SwiGLU: BatchInvariantSwiGLU,
     TargetAttention: BatchInvariantAttention,
 }
-"""Module class -> its batch-invariant subclass. Each subclass only overrides ``forward`` and adds no state."""
+"""Module class -> its batch-invariant subclass. Each subclass only overrides ``forward`` (or, for attention, its
+kernel) and adds no state."""
 
 
 def make_batch_invariant(model: TargetModel) -> TargetModel:

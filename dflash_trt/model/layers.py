@@ -91,12 +91,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Scaled dot-product attention with grouped-query heads, scale ``d^-0.5``.
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+           kernel=F.scaled_dot_product_attention) -> Tensor:
+    """Scaled dot-product attention with grouped-query heads, scale ``d^-0.5``, computed by ``kernel`` (with
+    ``F.scaled_dot_product_attention``'s signature).
 
     Shapes: q ``[B, nq, T, d]``; k, v ``[B, nkv, S, d]``; mask ``[B, 1, T, S]`` bool (True = attend)
     or None (every query sees every key). Returns ``[B, T, nq*d]``.
     """
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    out = kernel(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     batch, heads, tokens, dim = out.shape
     return out.transpose(1, 2).reshape(batch, tokens, heads * dim)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_trt.config import TargetConfig
@@ -37,6 +38,9 @@ class FusedAttention(Protocol):
 
 
 class TargetAttention(nn.Module):
+    kernel = staticmethod(F.scaled_dot_product_attention)
+    """The scaled dot-product attention kernel (``builder/batch_invariant.py`` swaps in a batch-invariant one)."""
+
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -62,7 +66,7 @@ class TargetAttention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         keys, values = cache.write(layer, start, k, v.transpose(1, 2), positions)
-        return self.o_proj(attend(q, keys, values, mask))
+        return self.o_proj(attend(q, keys, values, mask, self.kernel))
 
 
 class TargetLayer(nn.Module):
