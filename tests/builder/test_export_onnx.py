@@ -33,6 +33,11 @@ def test_onnxruntime_target_graph_reads_and_extends_per_layer_caches_in_place(en
     # each layer's kernel takes its cache buffer as past and returns it as present (bound to the same memory)
     pairs = [(node.input[3], node.output[1]) for node in attention]
     assert pairs == [(f"key_cache.{layer}", f"present_key.{layer}") for layer in range(5)]
+    # nothing else touches the cache (no slice, concat or copy): only the attention nodes' work grows with it
+    readers = {name for node in model.graph.node for name in node.input if "_cache." in name}
+    assert readers == {f"{kind}_cache.{layer}" for kind in ("key", "value") for layer in range(5)}
+    assert all(node.op_type == "GroupQueryAttention" for node in model.graph.node
+               if any("_cache." in name for name in node.input))
     assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {OPSET_ONNXRUNTIME}
 
 
