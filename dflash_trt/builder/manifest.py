@@ -27,8 +27,10 @@ from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import EngineFormatError, IncompatibleEngineError
 
 FORMAT = "dflash-trt-engine"
-FORMAT_VERSION = 2
-SUPPORTED_FORMAT_VERSIONS = (2,)
+FORMAT_VERSION = 3
+"""3: ONNX Runtime engines hold ``onnx/target_step.onnx`` (the in-place target graph) instead of ``target.onnx``."""
+SUPPORTED_FORMAT_VERSIONS = (2, 3)
+"""Version 2 folders still load: the onnxruntime backend also runs their ``target.onnx``."""
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 20
 _FROZEN = ConfigDict(extra="forbid", frozen=True)

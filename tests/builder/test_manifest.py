@@ -11,6 +11,7 @@ import pytest
 from engine_builds import built_engine
 
 from dflash_trt.builder.manifest import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS, read_manifest
+from dflash_trt.config import SamplingParams
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
 from dflash_trt.runtime.session import Session
 
@@ -65,6 +66,12 @@ def test_newer_format_version_is_refused_naming_both_versions(engine_copy):
     supported = re.escape(str(list(SUPPORTED_FORMAT_VERSIONS)))
     with pytest.raises(IncompatibleEngineError, match=rf"`format_version` is {FORMAT_VERSION + 1}.*reads {supported}"):
         Session.load(engine_copy)
+
+
+def test_previous_format_version_is_still_read(engine_copy):
+    _edit_manifest(engine_copy, lambda raw: raw.update(format_version=2))
+    assert 2 in SUPPORTED_FORMAT_VERSIONS and 2 < FORMAT_VERSION
+    assert Session.load(engine_copy).generate([1, 403], SamplingParams(max_new_tokens=4)).token_ids
 
 
 def test_unknown_manifest_field_is_refused(engine_copy):
