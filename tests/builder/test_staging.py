@@ -93,6 +93,8 @@ import os, signal, sys
 from pathlib import Path
 from dflash_trt.builder.engine import BuildConfig, build_engine
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background launcher may have set SIGINT to ignored
+
 def progress(event, step, seconds):
     if event == "start" and step == "write torch weights":
         os.kill(os.getpid(), getattr(signal, sys.argv[2]))
