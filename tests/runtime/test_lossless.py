@@ -15,7 +15,11 @@ from tiny_models import PROMPT_VOCAB, DraftSpec, TargetSpec, training_prompts
 
 from dflash_trt.config import SamplingParams
 
-pytestmark = pytest.mark.usefixtures("execution")  # torch eager, torch static shapes, ONNX Runtime engines
+# Every test runs on the torch backend's eager and static-shape forwards; the distilled-drafter ones (every
+# acceptance length) also on ONNX Runtime engine folders built from the pairs. The random pairs' graph variants
+# (tied head, one layer with three taps, sliding windows, llama) run on engines in tests/test_reference_parity.py.
+ON_EVERY_BACKEND = pytest.mark.usefixtures("execution")
+ON_TORCH = pytest.mark.usefixtures("torch_execution")
 
 QWEN3 = TargetSpec(family="qwen3")
 LLAMA = TargetSpec(family="llama", seed=1, num_layers=5)
@@ -105,6 +109,7 @@ def decoding(draw) -> tuple[int, int, int | None]:
     return block_len, max_new_tokens, stop_index
 
 
+@ON_TORCH
 @settings(max_examples=40)
 @given(pair=st.sampled_from(RANDOM_PAIRS), prompt=prompts, request=decoding())
 def test_random_drafter_output_equals_plain_greedy(zoo, pair, prompt, request):
@@ -115,6 +120,7 @@ def test_random_drafter_output_equals_plain_greedy(zoo, pair, prompt, request):
     record_coverage(draft, request, result.acceptance_lengths)
 
 
+@ON_EVERY_BACKEND
 @settings(max_examples=40)
 @given(choice=st.integers(0, len(DISTILLED_PAIRS) - 1), trained=st.sampled_from([True, True, True, False]),
        index=st.integers(0, 15), offset=st.integers(0, 24), random_prompt=prompts, request=decoding())
@@ -134,6 +140,7 @@ def test_distilled_drafter_output_equals_plain_greedy(zoo, distilled_pairs, choi
     record_coverage(draft, request, result.acceptance_lengths)
 
 
+@ON_EVERY_BACKEND
 @pytest.mark.parametrize("pair", range(len(DISTILLED_PAIRS)))
 def test_distilled_drafter_accepts_multi_token_blocks_on_trained_prompts(zoo, distilled_pairs, pair):
     """Guards the property above: a distilled drafter really accepts drafts (a random one accepts ~nothing)."""
@@ -147,6 +154,7 @@ def test_distilled_drafter_accepts_multi_token_blocks_on_trained_prompts(zoo, di
     assert max(lengths) == draft.block_size
 
 
+@ON_TORCH
 @pytest.mark.parametrize("pair", range(len(RANDOM_PAIRS)))
 def test_block_len_one_is_plain_decoding_through_the_same_session(zoo, pair):
     target, draft = RANDOM_PAIRS[pair]
@@ -158,6 +166,7 @@ def test_block_len_one_is_plain_decoding_through_the_same_session(zoo, pair):
     assert result.stats.num_draft_tokens == 0
 
 
+@ON_TORCH
 def test_default_block_len_is_the_drafters_trained_block(zoo):
     target, draft = RANDOM_PAIRS[1]  # trained block 8
     session = zoo.session(target, draft)
