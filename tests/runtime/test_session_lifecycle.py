@@ -43,6 +43,11 @@ LOOP_SCRIPT = textwrap.dedent("""
             del session
         gc.collect()
         rss.append(rss_mib())
+    # a dropped session may be collected on its own worker thread, which then ends by itself a moment later:
+    # give every worker time to end (one that never does is still counted)
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread():
+            thread.join(timeout=10)
     print(json.dumps({"rss": rss, "threads": threading.active_count(), "frozen": gc.get_freeze_count()}))
 """)
 
