@@ -206,11 +206,13 @@ class _Binding:
             self._bind(self.io.bind_input, name, getattr(self, name))
         for name, buffer in self.outputs.items():
             self._bind(self.io.bind_output, name, buffer)
-        self.caches = [cache[layer, first:first + count] for cache in (keys, values) for layer in range(len(cache))]
-        for index, view in enumerate(self.caches):  # contiguous views of the slot buffers: no copy
-            kind, layer = ("key", "value")[index // len(keys)], index % len(keys)
-            self._bind(self.io.bind_input, f"{kind}_cache.{layer}", view)
-            self._bind(self.io.bind_output, f"present_{kind}.{layer}", view)
+        self.caches = []  # contiguous views of the slot buffers: no copy
+        for kind, cache in (("key", keys), ("value", values)):
+            for layer in range(len(cache)):
+                view = cache[layer, first:first + count]
+                self._bind(self.io.bind_input, f"{kind}_cache.{layer}", view)
+                self._bind(self.io.bind_output, f"present_{kind}.{layer}", view)
+                self.caches.append(view)
 
     @staticmethod
     def _bind(bind, name: str, array: np.ndarray) -> None:
@@ -238,14 +240,13 @@ class _InPlaceTarget:
 
     def run_rows(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         results: list[tuple[Tensor, Tensor | None] | None] = [None] * len(rows)
-        singles = sorted((i for i, row in enumerate(rows) if len(row.tokens) == 1), key=lambda i: rows[i].slot)
-        groups = [[i] for i, row in enumerate(rows) if len(row.tokens) > 1]
-        for index in singles:  # runs of consecutive slots share a call
-            if groups and len(rows[groups[-1][-1]].tokens) == 1 and rows[groups[-1][-1]].slot + 1 == rows[index].slot:
-                groups[-1].append(index)
+        runs: list[list[int]] = []  # one-token rows, in runs of consecutive slots
+        for index in sorted((i for i, row in enumerate(rows) if len(row.tokens) == 1), key=lambda i: rows[i].slot):
+            if runs and rows[runs[-1][-1]].slot + 1 == rows[index].slot:
+                runs[-1].append(index)
             else:
-                groups.append([index])
-        for group in groups:
+                runs.append([index])
+        for group in runs + [[i] for i, row in enumerate(rows) if len(row.tokens) > 1]:
             self._run([rows[i] for i in group], with_taps, results, group)
         return results
 
