@@ -5,13 +5,14 @@ in a forward to the graph without copying them. Padding tokens sit at position `
 
 * ``target_step.onnx`` (ONNX Runtime engines, opset 23 + ``com.microsoft``): ``tokens``/``positions [B, T]``
   int64, ``seqlens_k [B]`` int32 (each row's length after the call, minus one), ``total_length []`` int32,
+  ``query_seqlens [B]`` int32 (each row's new tokens: rows are right-padded to ``T``),
   ``key_cache.{l}``/``value_cache.{l} [B, nkv, S, d]`` per layer -> ``logits [B, T, V]``, ``taps [B, T, L*H]``,
   ``present_key.{l}``/``present_value.{l}``: each layer's attention is one ``GroupQueryAttention`` node that writes
-  the new K/V into the cache buffer at each row's length and attends over the rows before it, reading the buffer
+  each row's new K/V into the cache buffer after its past and attends over the rows before it, reading the buffer
   in place; the runtime binds every present output to its cache input, so nothing is copied and a step costs
-  what its attention costs, whatever the context. ONNX Runtime's kernel takes ``T > 1`` after a past only for
-  ``B == 1``: rows adding several tokens run one per call (``plugins/onnxruntime/backend.py``; the kernels'
-  limits are in docs/environment.md §4.4).
+  what its attention costs, whatever the context. ``query_seqlens`` lets rows of different widths (decode
+  steps, verification blocks, prompts) share one call (``plugins/onnxruntime/backend.py``; the kernel's contract
+  is in docs/environment.md §4.4).
 * ``target.onnx`` (TensorRT engines, opset 20): ``tokens [B, T]``, ``positions [B, T]`` int64,
   ``cache_positions [K]`` (the committed rows read), ``cache_lengths [B]`` int64, ``key_cache``/``value_cache
   [B, N, nkv, S, d]`` -> ``logits [B, T, V]``, ``taps [B, T, L*H]`` (outputs of the tapped layers in
@@ -133,11 +134,13 @@ class _InPlaceCache:
     rows before it (causal), reading the cache in place. ``present_key.{l}``/``present_value.{l}`` are graph
     outputs the runtime binds to the same buffers as the inputs (ONNX Runtime's shared past/present buffer).
     Shapes: caches ``[B, nkv, S, d]`` per layer; ``seqlens_k [B]`` int32 (each row's length after the call, minus
-    one); ``total_length []`` int32; cos/sin ``[P, d/2]``."""
+    one); ``total_length []`` int32 (an upper bound of ``seqlens_k + 1``); ``query_seqlens [B]`` int32 (each row's
+    new tokens; the rest of its ``T`` are padding, never written); cos/sin ``[P, d/2]``."""
 
-    def __init__(self, keys: list[Tensor], values: list[Tensor], positions: Tensor, seqlens_k: Tensor,
-                 total_length: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> None:
-        self.keys, self.values, self.seqlens_k, self.total_length = keys, values, seqlens_k, total_length
+    def __init__(self, keys: list[Tensor], values: list[Tensor], positions: Tensor, lengths: tuple[Tensor, ...],
+                 cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> None:
+        self.keys, self.values = keys, values
+        self.seqlens_k, self.total_length, self.query_seqlens = lengths
         self.positions, self.cos, self.sin, self.heads, self.kv_heads = positions, cos, sin, heads, kv_heads
         self.present: list[Tensor] = []
 
@@ -149,7 +152,8 @@ class _InPlaceCache:
         k = torch.onnx.ops.rotary_embedding(k, self.cos, self.sin, self.positions, num_heads=self.kv_heads)
         out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
             "com.microsoft::GroupQueryAttention",
-            (q, k, v, keys, values, self.seqlens_k, self.total_length),
+            # inputs 7-15 (cos/sin caches, position ids, bias, sinks, cache scales, q/k norm weights) stay unset
+            (q, k, v, keys, values, self.seqlens_k, self.total_length) + (None,) * 9 + (self.query_seqlens,),
             {"num_heads": self.heads, "kv_num_heads": self.kv_heads},
             dtypes=(q.dtype, keys.dtype, values.dtype), shapes=(q.shape, keys.shape, values.shape), version=1)
         self.present += [present_key, present_value]
@@ -158,8 +162,7 @@ class _InPlaceCache:
 
 class StepGraph(nn.Module):
     """The ONNX Runtime target graph: ``TargetModel.run_layers`` over per-layer cache buffers updated in place
-    (:class:`_InPlaceCache`). Rows are batched when each adds one token; a row adding several runs alone
-    (ONNX Runtime's kernel takes several new tokens after a past only for one row)."""
+    (:class:`_InPlaceCache`); rows of any widths share a call, right-padded."""
 
     def __init__(self, model: TargetModel, tap_ids: tuple[int, ...]) -> None:
         super().__init__()
@@ -169,12 +172,13 @@ class StepGraph(nn.Module):
         self.register_buffer("rope_cos", model.rotary.cos[:, :half].clone(), persistent=False)
         self.register_buffer("rope_sin", model.rotary.sin[:, :half].clone(), persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor, seqlens_k: Tensor, total_length: Tensor, *caches: Tensor
-                ) -> tuple[Tensor, ...]:
+    def forward(self, tokens: Tensor, positions: Tensor, seqlens_k: Tensor, total_length: Tensor,
+                query_seqlens: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
         cfg = self.model.config
         layers = cfg.num_layers
-        cache = _InPlaceCache(list(caches[:layers]), list(caches[layers:]), positions, seqlens_k, total_length,
-                              self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
+        cache = _InPlaceCache(list(caches[:layers]), list(caches[layers:]), positions,
+                              (seqlens_k, total_length, query_seqlens), self.rope_cos, self.rope_sin, cfg.num_heads,
+                              cfg.num_kv_heads)
         logits, taps = self.model.run_layers(tokens, positions, cache, None, None, None, self.tap_ids)
         present = cache.present  # key, value per layer -> keys of every layer, then values
         return (logits,) + ((taps,) if self.tap_ids else ()) + tuple(present[0::2]) + tuple(present[1::2])
@@ -370,7 +374,8 @@ def step_graph_io(num_layers: int, with_taps: bool) -> tuple[tuple[str, ...], tu
     def per_layer(name: str) -> tuple[str, ...]:
         return tuple(f"{name}.{layer}" for layer in range(num_layers))
 
-    inputs = ("tokens", "positions", "seqlens_k", "total_length") + per_layer("key_cache") + per_layer("value_cache")
+    inputs = (("tokens", "positions", "seqlens_k", "total_length", "query_seqlens") + per_layer("key_cache")
+              + per_layer("value_cache"))
     outputs = ("logits",) + (("taps",) if with_taps else ()) + per_layer("present_key") + per_layer("present_value")
     return inputs, outputs
 
@@ -388,11 +393,12 @@ def export_step_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path,
     caches = tuple(torch.zeros(cache_shape, dtype=dtype) for _ in range(2 * cfg.num_layers))
     args = (torch.randint(0, cfg.vocab_size, (_EXAMPLE_BATCH, example_tokens)),
             torch.arange(4, 4 + example_tokens).repeat(_EXAMPLE_BATCH, 1),
-            torch.full((_EXAMPLE_BATCH,), 6, dtype=torch.int32), torch.tensor(7, dtype=torch.int32)) + caches
+            torch.full((_EXAMPLE_BATCH,), 6, dtype=torch.int32), torch.tensor(7, dtype=torch.int32),
+            torch.full((_EXAMPLE_BATCH,), example_tokens, dtype=torch.int32)) + caches
     inputs, outputs = step_graph_io(cfg.num_layers, bool(tap_ids))
     cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
     dynamic = {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "seqlens_k": {0: batch},
-               "total_length": {}, "caches": tuple({0: batch, 2: cache_len} for _ in caches)}
+               "total_length": {}, "query_seqlens": {0: batch}, "caches": tuple({0: batch, 2: cache_len} for _ in caches)}
     return _export(StepGraph(model, tuple(tap_ids)), args, inputs, outputs, dynamic, path, {}, OPSET_ONNXRUNTIME)
 
 

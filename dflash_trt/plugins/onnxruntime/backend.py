@@ -195,14 +195,15 @@ class _Binding:
     cache view bound as both its past input and its present output (updated in place)."""
 
     def __init__(self, session, keys: np.ndarray, values: np.ndarray, first: int, count: int, width: int,
-                 output_widths: dict[str, int]) -> None:
+                 output_widths: dict[str, int], padded_rows: bool) -> None:
         self.io = session.io_binding()
         self.tokens = np.zeros((count, width), np.int64)
         self.positions = np.zeros((count, width), np.int64)
         self.seqlens_k = np.zeros(count, np.int32)
         self.total_length = np.zeros((), np.int32)
+        self.query_seqlens = np.zeros(count, np.int32)
         self.outputs = {name: np.zeros((count, width, size), np.float32) for name, size in output_widths.items()}
-        for name in ("tokens", "positions", "seqlens_k", "total_length"):
+        for name in ("tokens", "positions", "seqlens_k", "total_length") + (("query_seqlens",) if padded_rows else ()):
             self._bind(self.io.bind_input, name, getattr(self, name))
         for name, buffer in self.outputs.items():
             self._bind(self.io.bind_output, name, buffer)
@@ -223,9 +224,10 @@ class _InPlaceTarget:
     """The target's ``target_step.onnx`` over layer-major slot caches ``[layers, max_batch, nkv, S, d]`` that the
     graph's attention nodes read and extend in place (``builder/export_onnx.py``, :class:`StepGraph`).
 
-    Rows adding one token each run batched, one call per run of consecutive slots; a row adding several tokens
-    (a prompt, a verification block) runs alone, as ONNX Runtime's kernel requires. Call shapes are bound once
-    and kept (least recently used dropped past ``KEPT_BINDINGS``)."""
+    A call covers a run of consecutive slots; its rows are right-padded to the widest (``query_seqlens``), so
+    decode steps, verification blocks and prompts of many requests share calls (:func:`plan_calls`). Graphs
+    without ``query_seqlens`` (format 3 engines) run a row adding several tokens alone, as ONNX Runtime's kernel
+    then requires. Call shapes are bound once and kept (least recently used dropped past ``KEPT_BINDINGS``)."""
 
     KEPT_BINDINGS = 64
 
@@ -236,45 +238,82 @@ class _InPlaceTarget:
         self.values = np.zeros_like(self.keys)
         self.lengths = [0] * max_batch
         self.output_widths = {o.name: o.shape[-1] for o in session.get_outputs() if o.name in ("logits", "taps")}
+        self.padded_rows = "query_seqlens" in {i.name for i in session.get_inputs()}
         self._bindings: dict[tuple[int, int, int], _Binding] = {}
 
     def run_rows(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         results: list[tuple[Tensor, Tensor | None] | None] = [None] * len(rows)
-        runs: list[list[int]] = []  # one-token rows, in runs of consecutive slots
-        for index in sorted((i for i, row in enumerate(rows) if len(row.tokens) == 1), key=lambda i: rows[i].slot):
-            if runs and rows[runs[-1][-1]].slot + 1 == rows[index].slot:
-                runs[-1].append(index)
-            else:
-                runs.append([index])
-        for group in runs + [[i] for i, row in enumerate(rows) if len(row.tokens) > 1]:
+        spans = [(row.slot, row.start, len(row.tokens)) for row in rows]
+        for group in plan_calls(spans, self.keys.shape[3], self.padded_rows):
             self._run([rows[i] for i in group], with_taps, results, group)
         return results
 
     def _run(self, rows: list[TargetRow], with_taps: bool, results: list, indices: list[int]) -> None:
-        width = len(rows[0].tokens)
+        widths = np.array([len(row.tokens) for row in rows])
+        width = int(widths.max())
         binding = self._binding(rows[0].slot, len(rows), width)
         starts = np.array([row.start for row in rows], np.int64)
-        binding.tokens[:] = [row.tokens for row in rows]
-        binding.positions[:] = starts[:, None] + np.arange(width)
-        binding.seqlens_k[:] = starts + width - 1
-        binding.total_length[...] = starts.max() + width
+        if widths.min() == width:
+            binding.tokens[:] = [row.tokens for row in rows]
+            binding.positions[:] = starts[:, None] + np.arange(width)
+        else:  # right padding keeps the binding's earlier (valid) tokens and positions: never written, never read
+            for row_index, row in enumerate(rows):
+                binding.tokens[row_index, :len(row.tokens)] = row.tokens
+                binding.positions[row_index, :len(row.tokens)] = np.arange(row.start, row.start + len(row.tokens))
+        binding.seqlens_k[:] = starts + widths - 1
+        binding.query_seqlens[:] = widths
+        binding.total_length[...] = (starts + widths).max()
         self.session.run_with_iobinding(binding.io)
         logits, taps = binding.outputs["logits"], binding.outputs.get("taps")
         for row_index, (index, row) in enumerate(zip(indices, rows)):
-            self.lengths[row.slot] = row.start + width
-            kept = slice(width - 1, width) if row.last_only else slice(0, width)
+            count = len(row.tokens)
+            self.lengths[row.slot] = row.start + count
+            kept = slice(count - 1, count) if row.last_only else slice(0, count)
             results[index] = (torch.from_numpy(logits[row_index, kept].copy()),  # the buffers are reused
-                              torch.from_numpy(taps[row_index].copy()) if with_taps and taps is not None else None)
+                              torch.from_numpy(taps[row_index, :count].copy()) if with_taps and taps is not None
+                              else None)
 
     def _binding(self, first: int, count: int, width: int) -> _Binding:
         key = (first, count, width)
         binding = self._bindings.pop(key, None)
         if binding is None:
-            binding = _Binding(self.session, self.keys, self.values, first, count, width, self.output_widths)
+            binding = _Binding(self.session, self.keys, self.values, first, count, width, self.output_widths,
+                               self.padded_rows)
             if len(self._bindings) >= self.KEPT_BINDINGS:
                 self._bindings.pop(next(iter(self._bindings)))
         self._bindings[key] = binding  # most recently used last
         return binding
+
+
+MAX_PADDING = 0.5
+"""Largest share of a call's padded rows that may be padding (right-padding costs the same as real rows)."""
+
+
+def plan_calls(spans: list[tuple[int, int, int]], capacity: int, padded_rows: bool = True) -> list[list[int]]:
+    """Which rows share a ``target_step.onnx`` call: indices into ``spans`` (``(slot, start, width)`` per row), each
+    call a run of consecutive slots. One-token rows and wider rows go to separate calls; a wider row joins a call
+    while at most ``MAX_PADDING`` of the call would be padding and every row's padded chunk fits the cache
+    (``start + width <= capacity``, the kernel's rule). Without ``padded_rows`` a wider row runs alone."""
+    calls: list[list[int]] = []
+    for one_token in (True, False):
+        members = sorted((i for i, span in enumerate(spans) if (span[2] == 1) == one_token), key=lambda i: spans[i][0])
+        call: list[int] = []
+        for index in members:
+            slot, start, width = spans[index]
+            if call:
+                padded = max(width, max(spans[i][2] for i in call))
+                useful = width + sum(spans[i][2] for i in call)
+                joins = (spans[call[-1]][0] + 1 == slot and (one_token or padded_rows)
+                         and padded * (len(call) + 1) * (1 - MAX_PADDING) <= useful
+                         and max(start, max(spans[i][1] for i in call)) + padded <= capacity)
+                if joins:
+                    call.append(index)
+                    continue
+                calls.append(call)
+            call = [index]
+        if call:
+            calls.append(call)
+    return calls
 
 
 def _live_rows(lengths: np.ndarray) -> np.ndarray:

@@ -81,8 +81,9 @@ def test_backend_calls_match_torch(engine, plugin_graph, variant, slots):
 
 
 def test_target_caches_are_updated_in_place_one_call_per_run_of_slots(engine):
-    """One-token rows in consecutive slots share one call whose cache inputs *and* present outputs are views of the
-    slot buffers (the attention nodes extend them in place); a multi-token row runs alone."""
+    """Rows in consecutive slots share one call whose cache inputs *and* present outputs are views of the slot
+    buffers (the attention nodes extend them in place): prompts of different lengths right-padded together, then
+    one-token rows; only each row's own positions are written, never its padding."""
     pair = Session.load(engine, "torch").pair
     backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx",
                          engine / "onnx" / "draft.onnx", 512, max_batch=4)
@@ -92,18 +93,38 @@ def test_target_caches_are_updated_in_place_one_call_per_run_of_slots(engine):
     network.session.run_with_iobinding = lambda io: (calls.append(io), run(io))
     for slot in range(4):
         backend.reset_slot(slot)
-    backend.target_batch([TargetRow(slot, PROMPTS[0], 0) for slot in range(4)], False)
-    assert len(calls) == 4  # several new tokens after a past: one row per call
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[0][:5]]  # 7, 9, 7, 5 tokens: 28 of 36 padded rows
+    backend.target_batch([TargetRow(slot, prompt, 0) for slot, prompt in enumerate(prompts)], False)
+    assert len(calls) == 1
+    written = np.argwhere((network.keys != 0).any(axis=(0, 2, 4)))  # (slot, position) pairs written
+    assert {tuple(p) for p in written} == {(slot, pos) for slot, prompt in enumerate(prompts)
+                                           for pos in range(len(prompt))}
     calls.clear()
     before = network.keys.copy()
-    backend.target_batch([TargetRow(slot, [9], len(PROMPTS[0])) for slot in (0, 1, 3)], False)
+    backend.target_batch([TargetRow(slot, [9], len(prompts[slot])) for slot in (0, 1, 3)], False)
     assert len(calls) == 2  # slots 0-1 together, slot 3 alone
     binding = network._bindings[(0, 2, 1)]
     assert all(np.shares_memory(view, network.keys) or np.shares_memory(view, network.values)
                for view in binding.caches)
-    written = np.argwhere((network.keys != before).any(axis=(0, 2, 4)))  # (slot, position) pairs changed
-    assert {tuple(p) for p in written} == {(0, 7), (1, 7), (3, 7)}
-    assert network.lengths == [8, 8, 7, 8]
+    written = np.argwhere((network.keys != before).any(axis=(0, 2, 4)))
+    assert {tuple(p) for p in written} == {(0, 7), (1, 9), (3, 5)}
+    assert network.lengths == [8, 10, 7, 6]
+
+
+@pytest.mark.parametrize(("spans", "padded_rows", "expected"), [
+    # (slot, start, width) per row -> the calls, as row indices
+    ([(0, 9, 1), (1, 9, 1), (2, 4, 16), (3, 8, 16)], True, [[0, 1], [2, 3]]),  # one-token rows apart from blocks
+    ([(0, 4, 16), (1, 9, 1)], True, [[1], [0]]),
+    ([(2, 9, 1), (0, 9, 1), (1, 9, 1), (5, 9, 1)], True, [[1, 2, 0], [3]]),  # runs of consecutive slots
+    ([(0, 0, 30), (1, 0, 20), (2, 0, 10)], True, [[0, 1, 2]]),  # 30 of 90 rows padding: shared
+    ([(0, 0, 30), (1, 0, 2), (2, 0, 80)], True, [[0, 1], [2]]),  # would be 128 of 240: a new call
+    ([(0, 500, 2), (1, 100, 16)], True, [[0], [1]]),  # 500 + 16 rows would overrun a 512-row cache
+    ([(0, 4, 16), (1, 4, 16), (2, 9, 1), (3, 9, 1)], False, [[2, 3], [0], [1]]),  # no query_seqlens: blocks alone
+])
+def test_plan_calls(spans, padded_rows, expected):
+    from dflash_trt.plugins.onnxruntime.backend import plan_calls
+
+    assert plan_calls(spans, 512, padded_rows) == expected
 
 
 def test_session_refuses_a_batch_wider_than_the_engine_was_built_for(engine):
