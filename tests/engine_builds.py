@@ -13,9 +13,11 @@ import torch
 _CACHE: dict[str, Path] = {}
 
 
-def stories_drafter(root: Path) -> Path:
-    """A random z-lab drafter for stories260K (full + sliding layer, 2 taps, block 4)."""
-    if "drafter" not in _CACHE:
+def stories_drafter(root: Path, sliding: bool = True, is_causal: bool | None = None) -> Path:
+    """A random z-lab drafter for stories260K (2 taps, block 4): a full and a sliding-window layer, or with
+    ``sliding=False`` two full layers (bidirectional in-block, or causal with ``is_causal``)."""
+    key = f"drafter-{sliding}-{is_causal}"
+    if key not in _CACHE:
         from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
         from dflash_trt.builder.load import embedded_target_path, load_target
         from dflash_trt.config import DraftConfig
@@ -28,23 +30,26 @@ def stories_drafter(root: Path) -> Path:
                              rms_norm_eps=t.rms_norm_eps, rope=t.rope, vocab_size=t.vocab_size,
                              max_position_embeddings=t.max_position_embeddings, num_target_layers=t.num_layers,
                              target_layer_ids=build_target_layer_ids(t.num_layers, 2), block_size=4, mask_token_id=0,
-                             layer_sliding=(False, True), sliding_window=5)
+                             layer_sliding=(False, sliding), sliding_window=5 if sliding else None,
+                             is_causal=is_causal)
         torch.manual_seed(7)
         head = DraftHead(config)
         with torch.no_grad():  # larger weights: draft logits far from uniform, so parity is meaningful
             for param in head.parameters():
                 if param.dim() > 1:
                     param.mul_(3.0)
-        _CACHE["drafter"] = save_draft_checkpoint(head, root / "stories-drafter")
-    return _CACHE["drafter"]
+        _CACHE[key] = save_draft_checkpoint(head, root / f"stories-{key}")
+    return _CACHE[key]
 
 
-def built_engine(root: Path, name: str, **fields) -> Path:
-    """``build_engine`` for stories260K + ``stories_drafter`` once per ``name`` (fields go to BuildConfig)."""
+def built_engine(root: Path, name: str, drafter: dict | None = None, **fields) -> Path:
+    """``build_engine`` for stories260K + ``stories_drafter(**drafter)`` once per ``name`` (fields go to
+    BuildConfig)."""
     if name not in _CACHE:
         from dflash_trt.builder.engine import BuildConfig, build_engine
         from dflash_trt.builder.load import embedded_target_path
 
-        config = BuildConfig(target=embedded_target_path(), draft=stories_drafter(root), out=root / name, **fields)
+        config = BuildConfig(target=embedded_target_path(), draft=stories_drafter(root, **(drafter or {})),
+                             out=root / name, **fields)
         _CACHE[name] = build_engine(config).folder
     return _CACHE[name]

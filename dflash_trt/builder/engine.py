@@ -14,7 +14,7 @@ Layout::
     manifest.json
     torch/target.safetensors, torch/draft/{config.json,model.safetensors}   every engine (torch backend)
     tokenizer/<tok512.bin | tokenizer.json>
-    onnx/target_step.onnx, onnx/draft.onnx | onnx/draft_plugin.onnx          onnxruntime
+    onnx/target_step.onnx, onnx/draft_step.onnx | draft.onnx | draft_plugin.onnx  onnxruntime
     onnx/target.onnx, onnx/draft.onnx, onnx/draft_plugin.onnx                tensorrt
     tensorrt/target.plan, tensorrt/draft.plan, tensorrt/libdflash_plugins.so tensorrt (GPU)
     trtllm/llm_api_options.yaml, trtllm/target/, trtllm/draft/              trtllm
@@ -183,7 +183,8 @@ def _role_of(relative: str, drafter_graph: str) -> str:
     """Artefact role from the fixed layout above (the builder wrote these names itself)."""
     table = {"torch/target.safetensors": "target_weights", "onnx/target.onnx": "target_graph",
              "onnx/target_step.onnx": "target_graph",
-             "onnx/draft.onnx": "draft_graph", "onnx/draft_plugin.onnx": "draft_graph_plugin",
+             "onnx/draft.onnx": "draft_graph", "onnx/draft_step.onnx": "draft_graph",
+             "onnx/draft_plugin.onnx": "draft_graph_plugin",
              "tensorrt/target.plan": "target_plan", "tensorrt/draft.plan": "draft_plan",
              "trtllm/llm_api_options.yaml": "trtllm_config", "quantization.json": "quant_config"}
     if relative in table:
@@ -372,9 +373,11 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
 
 
 def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_graph: str, step) -> tuple:
-    """The target graph plus the drafter graph(s): ONNX Runtime gets ``target_step.onnx`` (KV cache updated in
-    place) and the chosen drafter variant; TensorRT gets ``target.onnx`` and both drafter variants."""
-    from dflash_trt.builder.export_onnx import export_draft, export_step_target, export_target
+    """The target graph plus the drafter graph(s): ONNX Runtime gets ``target_step.onnx`` and, for the standard
+    variant, ``draft_step.onnx`` (both update their KV caches in place; ``draft.onnx`` for a drafter with sliding-window
+    layers) or the plugin variant; TensorRT gets ``target.onnx`` and both drafter variants."""
+    from dflash_trt.builder.export_onnx import (export_draft, export_step_draft, export_step_target, export_target,
+                                                in_place_drafter)
     from dflash_trt.builder.manifest import PluginStamp
     from dflash_trt.plugins.schema import BLOCK_ATTENTION
 
@@ -388,6 +391,10 @@ def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_gr
     if pair.draft is None:
         return ()
     variants = ["standard", "plugin"] if backend == "tensorrt" else [drafter_graph]
+    if backend == "onnxruntime" and drafter_graph == "standard" and in_place_drafter(pair.draft):
+        step("export drafter ONNX (standard)", lambda: export_step_draft(pair.draft, pair.target,
+                                                                         onnx_dir / "draft_step.onnx", limits))
+        return ()
     for variant in variants:
         name = "draft_plugin.onnx" if variant == "plugin" else "draft.onnx"
         step(f"export drafter ONNX ({variant})", lambda name=name, variant=variant: export_draft(

@@ -148,8 +148,8 @@ class _InPlaceCache:
         keys, values = self.keys[layer], self.values[layer]
         # RoPE as ONNX RotaryEmbedding nodes: the kernel's own rotation needs head_dim % 16 == 0 on the CPU
         # (docs/environment.md §4.4)
-        q = torch.onnx.ops.rotary_embedding(q, self.cos, self.sin, self.positions, num_heads=self.heads)
-        k = torch.onnx.ops.rotary_embedding(k, self.cos, self.sin, self.positions, num_heads=self.kv_heads)
+        q = _rotate(q, self.positions, self.heads, self.cos, self.sin)
+        k = _rotate(k, self.positions, self.kv_heads, self.cos, self.sin)
         out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
             "com.microsoft::GroupQueryAttention",
             # inputs 7-15 (cos/sin caches, position ids, bias, sinks, cache scales, q/k norm weights) stay unset
@@ -160,6 +160,18 @@ class _InPlaceCache:
         return out
 
 
+def _register_rope_tables(module: nn.Module, rotary) -> None:
+    """``rope_cos``/``rope_sin`` ``[P, d/2]``: the half-width tables ONNX ``RotaryEmbedding`` takes."""
+    half = rotary.cos.shape[-1] // 2
+    module.register_buffer("rope_cos", rotary.cos[:, :half].clone(), persistent=False)
+    module.register_buffer("rope_sin", rotary.sin[:, :half].clone(), persistent=False)
+
+
+def _rotate(x: Tensor, positions: Tensor, heads: int, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE as one ONNX ``RotaryEmbedding`` node. Shapes: x ``[B, T, heads*d]``, positions ``[B, T]``."""
+    return torch.onnx.ops.rotary_embedding(x, cos, sin, positions, num_heads=heads)
+
+
 class StepGraph(nn.Module):
     """The ONNX Runtime target graph: ``TargetModel.run_layers`` over per-layer cache buffers updated in place
     (:class:`_InPlaceCache`); rows of any widths share a call, right-padded."""
@@ -168,9 +180,7 @@ class StepGraph(nn.Module):
         super().__init__()
         self.model = model
         self.tap_ids = tap_ids
-        half = model.config.head_dim // 2
-        self.register_buffer("rope_cos", model.rotary.cos[:, :half].clone(), persistent=False)
-        self.register_buffer("rope_sin", model.rotary.sin[:, :half].clone(), persistent=False)
+        _register_rope_tables(self, model.rotary)
 
     def forward(self, tokens: Tensor, positions: Tensor, seqlens_k: Tensor, total_length: Tensor,
                 query_seqlens: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
@@ -220,7 +230,7 @@ class _FusedBoundKeys(_BoundKeys):
     def attend(self, layer: int, attn, q: Tensor, context_k: Tensor, context_v: Tensor, block_k: Tensor,
                block_v: Tensor) -> Tensor:
         def rotate(x: Tensor, positions: Tensor, heads: int) -> Tensor:
-            return torch.onnx.ops.rotary_embedding(x, self.cos, self.sin, positions, num_heads=heads)
+            return _rotate(x, positions, heads, self.cos, self.sin)
 
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
         context = context_k.shape[1]
@@ -251,9 +261,7 @@ class DraftGraph(nn.Module):
         self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
         self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
         self.fused = fused  # RoPE and attention as single opset-23 nodes (ONNX Runtime engines)
-        half = head.config.head_dim // 2
-        self.register_buffer("rope_cos", head.rotary.cos[:, :half].clone(), persistent=False)
-        self.register_buffer("rope_sin", head.rotary.sin[:, :half].clone(), persistent=False)
+        _register_rope_tables(self, head.rotary)
 
     def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
                 cache_positions: Tensor, cache_lengths: Tensor, key_cache: Tensor, value_cache: Tensor
@@ -281,6 +289,69 @@ class DraftGraph(nn.Module):
                                  head.rotary.lookup(context_positions, embeds.dtype), keys)
         logits = head.logits(hidden[:, 1:], self.lm_head)
         return logits, torch.stack(keys.new_keys, dim=1), torch.stack(keys.new_values, dim=1)
+
+
+class _InPlaceDraftKeys:
+    """The drafter's key source in ``draft_step.onnx`` (ONNX Runtime, one request per call): each layer's attention is
+    one ``com.microsoft.GroupQueryAttention`` node over the rows ``[new context ; block]``. The node writes their K/V
+    into the layer's cache buffer after the committed rows, in place as in the target graph, and attends over the
+    buffer, bidirectional or causal as the layer is. The context rows' queries are zeros and their outputs are
+    dropped (only their K/V matter); the runtime commits the cache up to the anchor, so the block rows written after
+    it are overwritten by the next call. Shapes: caches ``[1, nkv, S, d]`` per layer; positions ``[1, c]`` and
+    ``[1, T]``; ``seqlens_k [1]`` int32 (``start + T - 1``); ``total_length []`` int32."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], context_positions: Tensor, block_positions: Tensor,
+                 lengths: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor) -> None:
+        self.keys, self.values, (self.seqlens_k, self.total_length) = keys, values, lengths
+        self.block_positions, self.cos, self.sin = block_positions, cos, sin
+        self.positions = torch.cat([context_positions, block_positions], dim=1)  # [1, c+T]
+        self.present: list[Tensor] = []
+
+    def attend(self, layer: int, attn, q: Tensor, context_k: Tensor, context_v: Tensor, block_k: Tensor,
+               block_v: Tensor) -> Tensor:
+        context = context_k.shape[1]
+        heads, kv_heads = attn.num_heads, attn.num_kv_heads
+        keys = _rotate(torch.cat([context_k, block_k], dim=1), self.positions, kv_heads, self.cos, self.sin)
+        queries = torch.cat([q.new_zeros(q.shape[0], context, q.shape[2]),
+                             _rotate(q, self.block_positions, heads, self.cos, self.sin)], dim=1)
+        out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
+            "com.microsoft::GroupQueryAttention",
+            (queries, keys, torch.cat([context_v, block_v], dim=1), self.keys[layer], self.values[layer],
+             self.seqlens_k, self.total_length),
+            {"num_heads": heads, "kv_num_heads": kv_heads, "causal": int(attn.causal)},
+            dtypes=(q.dtype, keys.dtype, keys.dtype),
+            shapes=(queries.shape, self.keys[layer].shape, self.values[layer].shape), version=1)
+        self.present += [present_key, present_value]
+        return out[:, context:]  # [1, T, nq*d]
+
+
+class DraftStepGraph(nn.Module):
+    """The ONNX Runtime drafter graph: ``DraftHead.run_layers`` plus the borrowed embedding and LM head over
+    per-layer cache buffers updated in place (:class:`_InPlaceDraftKeys`), one request per call. Drafters with
+    sliding-window layers keep :class:`DraftGraph` (the kernel's window is causal only)."""
+
+    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        super().__init__()
+        self.head = head
+        self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
+        self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
+        _register_rope_tables(self, head.rotary)
+
+    def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
+                seqlens_k: Tensor, total_length: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+        head = self.head
+        layers = head.config.num_layers
+        keys = _InPlaceDraftKeys(list(caches[:layers]), list(caches[layers:]), context_positions, block_positions,
+                                 (seqlens_k, total_length), self.rope_cos, self.rope_sin)
+        embeds = F.embedding(block, self.embed) * head.config.input_embedding_scale
+        hidden = head.run_layers(embeds, taps, None, None, keys)  # the key source rotates
+        present = keys.present
+        return (head.logits(hidden[:, 1:], self.lm_head),) + tuple(present[0::2]) + tuple(present[1::2])
+
+
+def in_place_drafter(head: DraftHead) -> bool:
+    """Whether ``draft_step.onnx`` can express this drafter (every layer full attention, causal or not)."""
+    return not any(head.config.layer_sliding)
 
 
 class PluginDraftGraph(nn.Module):
@@ -432,6 +503,43 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
                     "taps": {0: batch, 1: context}, "context_positions": {0: batch, 1: context},
                     "cache_positions": {0: live}, "cache_lengths": {0: batch}, "key_cache": cache_dims,
                     "value_cache": cache_dims}, path, {}, limits.opset)
+
+
+def draft_step_graph_io(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Input and output names of ``draft_step.onnx``."""
+    def per_layer(name: str) -> tuple[str, ...]:
+        return tuple(f"{name}.{layer}" for layer in range(num_layers))
+
+    inputs = (("block", "block_positions", "taps", "context_positions", "seqlens_k", "total_length")
+              + per_layer("key_cache") + per_layer("value_cache"))
+    return inputs, ("draft_logits",) + per_layer("present_key") + per_layer("present_value")
+
+
+def export_step_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits) -> Path:
+    """Write ``draft_step.onnx`` (float32, ONNX Runtime only, one request per call; see :func:`in_place_drafter`)."""
+    from torch.export import Dim
+
+    cfg = head.config
+    dtype = head.fc.weight.dtype
+    example_block = 2 if limits.block_len == 2 else 3
+    example_context, example_cache = 5, 13
+    start = 9
+    block = Dim("block", min=2, max=max(example_block, limits.block_len))
+    context = Dim("context", min=1, max=limits.max_seq_len)
+    cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
+    caches = tuple(torch.zeros(1, cfg.num_kv_heads, example_cache, cfg.head_dim, dtype=dtype)
+                   for _ in range(2 * cfg.num_layers))
+    args = (torch.randint(0, cfg.vocab_size, (1, example_block)), torch.arange(start, start + example_block)[None],
+            torch.zeros(1, example_context, cfg.num_taps * cfg.hidden_size, dtype=dtype),
+            torch.arange(start - example_context, start)[None],
+            torch.tensor([start + example_block - 1], dtype=torch.int32),
+            torch.tensor(start + example_block, dtype=torch.int32)) + caches
+    inputs, outputs = draft_step_graph_io(cfg.num_layers)
+    dynamic = {"block": {1: block}, "block_positions": {1: block}, "taps": {1: context},
+               "context_positions": {1: context}, "seqlens_k": {}, "total_length": {},
+               "caches": tuple({2: cache_len} for _ in caches)}
+    return _export(DraftStepGraph(head, target.embed_tokens.weight, target.lm_head.weight), args, inputs, outputs,
+                   dynamic, path, {}, OPSET_ONNXRUNTIME)
 
 
 def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits) -> Path:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.plugins.interface import DraftRow, TargetRow
-from dflash_trt.runtime.sampling import draw, sampling_probs
+from dflash_trt.runtime.sampling import argmax_rows, draw, sampling_probs
 from dflash_trt.runtime.verify import Verdict, accept_greedy, accept_onehot, accept_rejection
 
 
@@ -76,7 +76,7 @@ class RequestState:
     def finish_prefill(self, logits: Tensor, taps: Tensor | None) -> Cycle:
         """First token from the last prompt row; the taps of every prompt row are the first draft context."""
         last = logits[-1]
-        self.anchor = int(last.argmax()) if self.greedy else int(draw(self.probs(last.unsqueeze(0)),
+        self.anchor = int(argmax_rows(last)) if self.greedy else int(draw(self.probs(last.unsqueeze(0)),
                                                                       self.generator)[0])
         self.pending = [taps] if taps is not None else []
         self.finished = self.anchor in self.stop_ids or self.start + 1 >= self.max_length
@@ -96,7 +96,7 @@ class RequestState:
         """Proposals from draft logits ``[Bc-1, V]``: argmax, or one draw per slot in the sampled mode."""
         self.pending = []  # the draft call injected them
         if self.greedy or self.params.proposal == "greedy":
-            self.drafts = draft_logits.argmax(-1)
+            self.drafts = argmax_rows(draft_logits)
         else:
             self.draft_probs = self.probs(draft_logits)
             self.drafts = draw(self.draft_probs, self.generator)

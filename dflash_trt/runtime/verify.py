@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_trt.runtime.sampling import draw
+from dflash_trt.runtime.sampling import argmax_rows, draw
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,13 @@ def accept_greedy(drafts: Tensor, target_logits: Tensor) -> Verdict:
 
     Shapes: drafts ``[K]`` (x_1..x_K), target_logits ``[K+1, V]``.
     """
-    targets = target_logits.argmax(-1)
-    accepted = int(torch.cumprod(drafts == targets[:-1], 0).sum())  # host-sync: loop needs the count
-    return Verdict(accepted, int(targets[accepted]))
+    targets = argmax_rows(target_logits).tolist()  # host-sync: the loop needs the count
+    accepted = 0
+    for draft, target in zip(drafts.tolist(), targets):
+        if draft != target:
+            break
+        accepted += 1
+    return Verdict(accepted, targets[accepted])
 
 
 def accept_onehot(drafts: Tensor, target_probs: Tensor, generator: torch.Generator) -> Verdict:

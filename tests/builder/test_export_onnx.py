@@ -9,7 +9,8 @@ onnx = pytest.importorskip("onnx")
 from engine_builds import built_engine  # noqa: E402
 
 from dflash_trt.builder.export_onnx import (  # noqa: E402
-    DRAFT_INPUTS, DRAFT_OUTPUTS, OPSET, OPSET_ONNXRUNTIME, TARGET_INPUTS, TARGET_OUTPUTS, step_graph_io)
+    DRAFT_INPUTS, DRAFT_OUTPUTS, OPSET, OPSET_ONNXRUNTIME, TARGET_INPUTS, TARGET_OUTPUTS, draft_step_graph_io,
+    step_graph_io)
 from dflash_trt.plugins.onnx_nodes import plugin_nodes, to_ort_domain  # noqa: E402
 
 
@@ -64,6 +65,26 @@ def test_standard_drafter_graph_uses_only_standard_ops(engine):
     assert dims["taps"][:2] == dims["context_positions"] == ["batch", "context"]
     ops = [node.op_type for node in model.graph.node]  # ONNX Runtime engines: opset-23 single-node RoPE/attention
     assert ops.count("Attention") == 2 and ops.count("RotaryEmbedding") == 6 and "Softmax" not in ops
+
+
+@pytest.mark.parametrize("is_causal", [None, True], ids=["bidirectional", "causal"])
+def test_full_attention_drafter_gets_the_in_place_graph(tmp_path_factory, is_causal):
+    """A drafter without sliding-window layers gets ``draft_step.onnx``: one request per call, each layer one
+    GroupQueryAttention node (bidirectional or causal as the layer is) extending its cache buffer in place."""
+    folder = built_engine(tmp_path_factory.getbasetemp(), f"ort-in-place-{is_causal}", backend="onnxruntime",
+                          drafter={"sliding": False, "is_causal": is_causal})
+    assert not (folder / "onnx" / "draft.onnx").exists()
+    model, inputs, outputs = _io(folder / "onnx" / "draft_step.onnx")
+    assert (tuple(inputs), tuple(outputs)) == draft_step_graph_io(2)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims["key_cache.1"] == [1, 4, "cache_len", 8] and dims["taps"][:2] == [1, "context"]
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert [(n.input[3], n.output[1]) for n in attention] == [("key_cache.0", "present_key.0"),
+                                                             ("key_cache.1", "present_key.1")]
+    causal = {onnx.helper.get_attribute_value(a) for n in attention for a in n.attribute if a.name == "causal"}
+    assert causal == {1 if is_causal else 0}
+    readers = {node.op_type for node in model.graph.node if any("_cache." in name for name in node.input)}
+    assert readers <= {"GroupQueryAttention", "Shape"}
 
 
 def test_plugin_drafter_graph_has_one_node_per_layer_with_trt_plugin_attributes(tmp_path_factory):

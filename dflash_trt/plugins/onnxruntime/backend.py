@@ -97,8 +97,10 @@ class OrtBackend:
                         else _Network(session, *shape))
         self._draft = None
         if draft_graph is not None and draft_config is not None:
-            self._draft = _Network(open_session(draft_graph, quant_mode, small), max_batch, draft_config.num_layers,
-                                   draft_config.num_kv_heads, max_seq_len, draft_config.head_dim)
+            session = open_session(draft_graph, quant_mode, small)
+            shape = (max_batch, draft_config.num_layers, draft_config.num_kv_heads, max_seq_len, draft_config.head_dim)
+            self._draft = (_InPlaceDrafter(session, shape) if "seqlens_k" in {i.name for i in session.get_inputs()}
+                           else _Network(session, *shape))
 
     def reset_slot(self, slot: int) -> None:
         self._target.lengths[slot] = 0
@@ -139,6 +141,10 @@ class OrtBackend:
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
         """Shapes per row: draft logits ``[Bc_i - 1, V]``; afterwards each draft cache holds positions ``< start``."""
         assert self._draft is not None, "draft_batch() needs a drafter graph"
+        for row in rows:
+            assert row.start + len(row.block) <= self.max_seq_len, "draft cache overflow"
+        if isinstance(self._draft, _InPlaceDrafter):
+            return [self._draft.run_row(row) for row in rows]
         if self._draft.prefix_io:
             return [self._draft_one_with_op_graph(row) for row in rows]
         pad = self.max_seq_len
@@ -154,7 +160,6 @@ class OrtBackend:
             context = row.taps.shape[0]
             past = row.start - context
             assert past <= self._draft.lengths[row.slot], "draft cache gap"
-            assert row.start + len(row.block) <= self.max_seq_len, "draft cache overflow"
             block[index, :len(row.block)] = row.block
             block_positions[index, :len(row.block)] = np.arange(row.start, row.start + len(row.block))
             if context:  # right-aligned: the context ends right before the anchor
@@ -190,25 +195,20 @@ class OrtBackend:
 
 
 class _Binding:
-    """One call shape of ``target_step.onnx`` (``count`` rows from slot ``first``, ``width`` tokens each) bound once:
-    input buffers filled per call, outputs written into buffers that live as long as the binding, and each layer's
-    cache view bound as both its past input and its present output (updated in place)."""
+    """One call shape of an in-place graph, bound once: ``inputs`` and ``outputs`` are buffers bound by name (filled
+    and read per call), and each layer's cache view of ``count`` slots from ``first`` is bound as both its past input
+    and its present output, so the graph's attention nodes extend it in place (no copy)."""
 
-    def __init__(self, session, keys: np.ndarray, values: np.ndarray, first: int, count: int, width: int,
-                 output_widths: dict[str, int], padded_rows: bool) -> None:
+    def __init__(self, session, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+                 caches: tuple[np.ndarray, np.ndarray], first: int, count: int) -> None:
         self.io = session.io_binding()
-        self.tokens = np.zeros((count, width), np.int64)
-        self.positions = np.zeros((count, width), np.int64)
-        self.seqlens_k = np.zeros(count, np.int32)
-        self.total_length = np.zeros((), np.int32)
-        self.query_seqlens = np.zeros(count, np.int32)
-        self.outputs = {name: np.zeros((count, width, size), np.float32) for name, size in output_widths.items()}
-        for name in ("tokens", "positions", "seqlens_k", "total_length") + (("query_seqlens",) if padded_rows else ()):
-            self._bind(self.io.bind_input, name, getattr(self, name))
-        for name, buffer in self.outputs.items():
-            self._bind(self.io.bind_output, name, buffer)
-        self.caches = []  # contiguous views of the slot buffers: no copy
-        for kind, cache in (("key", keys), ("value", values)):
+        self.inputs, self.outputs = inputs, outputs
+        for name, array in inputs.items():
+            self._bind(self.io.bind_input, name, array)
+        for name, array in outputs.items():
+            self._bind(self.io.bind_output, name, array)
+        self.caches = []
+        for kind, cache in zip(("key", "value"), caches):
             for layer in range(len(cache)):
                 view = cache[layer, first:first + count]
                 self._bind(self.io.bind_input, f"{kind}_cache.{layer}", view)
@@ -220,14 +220,9 @@ class _Binding:
         bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
 
-class _InPlaceTarget:
-    """The target's ``target_step.onnx`` over layer-major slot caches ``[layers, max_batch, nkv, S, d]`` that the
-    graph's attention nodes read and extend in place (``builder/export_onnx.py``, :class:`StepGraph`).
-
-    A call covers a run of consecutive slots; its rows are right-padded to the widest (``query_seqlens``), so
-    decode steps, verification blocks and prompts of many requests share calls (:func:`plan_calls`). Graphs
-    without ``query_seqlens`` (format 3 engines) run a row adding several tokens alone, as ONNX Runtime's kernel
-    then requires. Call shapes are bound once and kept (least recently used dropped past ``KEPT_BINDINGS``)."""
+class _InPlaceGraph:
+    """A graph over layer-major slot caches ``[layers, max_batch, nkv, S, d]`` that its attention nodes read and extend
+    in place, with each call shape's binding kept (least recently used dropped past ``KEPT_BINDINGS``)."""
 
     KEPT_BINDINGS = 64
 
@@ -237,9 +232,34 @@ class _InPlaceTarget:
         self.keys = np.zeros((layers, max_batch, kv_heads, max_len, head_dim), np.float32)
         self.values = np.zeros_like(self.keys)
         self.lengths = [0] * max_batch
-        self.output_widths = {o.name: o.shape[-1] for o in session.get_outputs() if o.name in ("logits", "taps")}
-        self.padded_rows = "query_seqlens" in {i.name for i in session.get_inputs()}
-        self._bindings: dict[tuple[int, int, int], _Binding] = {}
+        self.input_names = {i.name for i in session.get_inputs()}
+        self.output_widths = {o.name: o.shape[-1] for o in session.get_outputs() if not o.name.startswith("present")}
+        self._bindings: dict[tuple, _Binding] = {}
+
+    def binding(self, first: int, count: int, shape: tuple, buffers) -> _Binding:
+        """The binding of ``count`` slots from ``first`` for call ``shape``; ``buffers()`` -> (inputs, outputs) makes
+        a new one's buffers."""
+        key = (first, count) + shape
+        binding = self._bindings.pop(key, None)
+        if binding is None:
+            binding = _Binding(self.session, *buffers(), (self.keys, self.values), first, count)
+            if len(self._bindings) >= self.KEPT_BINDINGS:
+                self._bindings.pop(next(iter(self._bindings)))
+        self._bindings[key] = binding  # most recently used last
+        return binding
+
+
+class _InPlaceTarget(_InPlaceGraph):
+    """The target's ``target_step.onnx`` (``builder/export_onnx.py``, :class:`StepGraph`).
+
+    A call covers a run of consecutive slots; its rows are right-padded to the widest (``query_seqlens``), so
+    decode steps, verification blocks and prompts of many requests share calls (:func:`plan_calls`). Graphs
+    without ``query_seqlens`` (format 3 engines) run a row adding several tokens alone, as ONNX Runtime's kernel
+    then requires."""
+
+    def __init__(self, session, shape: tuple[int, int, int, int, int]) -> None:
+        super().__init__(session, shape)
+        self.padded_rows = "query_seqlens" in self.input_names
 
     def run_rows(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         results: list[tuple[Tensor, Tensor | None] | None] = [None] * len(rows)
@@ -248,23 +268,32 @@ class _InPlaceTarget:
             self._run([rows[i] for i in group], with_taps, results, group)
         return results
 
+    def _buffers(self, count: int, width: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        inputs = {"tokens": np.zeros((count, width), np.int64), "positions": np.zeros((count, width), np.int64),
+                  "seqlens_k": np.zeros(count, np.int32), "total_length": np.zeros((), np.int32),
+                  "query_seqlens": np.zeros(count, np.int32)}
+        inputs = {name: array for name, array in inputs.items() if name in self.input_names}
+        return inputs, {name: np.zeros((count, width, size), np.float32) for name, size in self.output_widths.items()}
+
     def _run(self, rows: list[TargetRow], with_taps: bool, results: list, indices: list[int]) -> None:
         widths = np.array([len(row.tokens) for row in rows])
-        width = int(widths.max())
-        binding = self._binding(rows[0].slot, len(rows), width)
+        width, count = int(widths.max()), len(rows)
+        bound = self.binding(rows[0].slot, count, (width,), lambda: self._buffers(count, width))
+        inputs = bound.inputs
         starts = np.array([row.start for row in rows], np.int64)
         if widths.min() == width:
-            binding.tokens[:] = [row.tokens for row in rows]
-            binding.positions[:] = starts[:, None] + np.arange(width)
+            inputs["tokens"][:] = [row.tokens for row in rows]
+            inputs["positions"][:] = starts[:, None] + np.arange(width)
         else:  # right padding keeps the binding's earlier (valid) tokens and positions: never written, never read
             for row_index, row in enumerate(rows):
-                binding.tokens[row_index, :len(row.tokens)] = row.tokens
-                binding.positions[row_index, :len(row.tokens)] = np.arange(row.start, row.start + len(row.tokens))
-        binding.seqlens_k[:] = starts + widths - 1
-        binding.query_seqlens[:] = widths
-        binding.total_length[...] = (starts + widths).max()
-        self.session.run_with_iobinding(binding.io)
-        logits, taps = binding.outputs["logits"], binding.outputs.get("taps")
+                inputs["tokens"][row_index, :len(row.tokens)] = row.tokens
+                inputs["positions"][row_index, :len(row.tokens)] = np.arange(row.start, row.start + len(row.tokens))
+        inputs["seqlens_k"][:] = starts + widths - 1
+        inputs["total_length"][...] = (starts + widths).max()
+        if self.padded_rows:
+            inputs["query_seqlens"][:] = widths
+        self.session.run_with_iobinding(bound.io)
+        logits, taps = bound.outputs["logits"], bound.outputs.get("taps")
         for row_index, (index, row) in enumerate(zip(indices, rows)):
             count = len(row.tokens)
             self.lengths[row.slot] = row.start + count
@@ -273,16 +302,40 @@ class _InPlaceTarget:
                               torch.from_numpy(taps[row_index, :count].copy()) if with_taps and taps is not None
                               else None)
 
-    def _binding(self, first: int, count: int, width: int) -> _Binding:
-        key = (first, count, width)
-        binding = self._bindings.pop(key, None)
-        if binding is None:
-            binding = _Binding(self.session, self.keys, self.values, first, count, width, self.output_widths,
-                               self.padded_rows)
-            if len(self._bindings) >= self.KEPT_BINDINGS:
-                self._bindings.pop(next(iter(self._bindings)))
-        self._bindings[key] = binding  # most recently used last
-        return binding
+
+class _InPlaceDrafter(_InPlaceGraph):
+    """The drafter's ``draft_step.onnx`` (``builder/export_onnx.py``, :class:`DraftStepGraph`), one request per call:
+    ONNX Runtime's kernel takes several new rows after a past for one row only, and bidirectional attention has no
+    right padding. Each call writes the new context rows (and the block's, which the next call overwrites) after
+    the committed ones and commits the cache up to the anchor."""
+
+    def __init__(self, session, shape: tuple[int, int, int, int, int]) -> None:
+        super().__init__(session, shape)
+        self.taps_width = next(i.shape[-1] for i in session.get_inputs() if i.name == "taps")
+
+    def _buffers(self, context: int, width: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        inputs = {"block": np.zeros((1, width), np.int64), "block_positions": np.zeros((1, width), np.int64),
+                  "taps": np.zeros((1, context, self.taps_width), np.float32),
+                  "context_positions": np.zeros((1, context), np.int64), "seqlens_k": np.zeros(1, np.int32),
+                  "total_length": np.zeros((), np.int32)}
+        return inputs, {"draft_logits": np.zeros((1, width - 1, self.output_widths["draft_logits"]), np.float32)}
+
+    def run_row(self, row: DraftRow) -> Tensor:
+        """Shapes: draft logits ``[Bc - 1, V]``."""
+        context, width = row.taps.shape[0], len(row.block)
+        past = row.start - context
+        assert context >= 1 and past <= self.lengths[row.slot], "draft cache gap"
+        bound = self.binding(row.slot, 1, (context, width), lambda: self._buffers(context, width))
+        inputs = bound.inputs
+        inputs["block"][0] = row.block
+        inputs["block_positions"][0] = np.arange(row.start, row.start + width)
+        inputs["taps"][0] = row.taps.numpy()
+        inputs["context_positions"][0] = np.arange(past, row.start)
+        inputs["seqlens_k"][0] = row.start + width - 1
+        inputs["total_length"][...] = row.start + width
+        self.session.run_with_iobinding(bound.io)
+        self.lengths[row.slot] = row.start
+        return torch.from_numpy(bound.outputs["draft_logits"][0].copy())
 
 
 MAX_PADDING = 0.5

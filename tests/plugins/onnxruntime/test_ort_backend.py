@@ -65,12 +65,24 @@ def _drive(backend, slots):
     return seen
 
 
-@pytest.mark.parametrize("variant", ["standard", "plugin"])
+@pytest.fixture(scope="module")
+def in_place_engines(tmp_path_factory):
+    """Engines whose drafters have full-attention layers only, so they get ``draft_step.onnx`` (in place)."""
+    root = tmp_path_factory.getbasetemp()
+    return {causal: built_engine(root, f"ort-in-place-{causal}", backend="onnxruntime",
+                                 drafter={"sliding": False, "is_causal": causal}) for causal in (None, True)}
+
+
+@pytest.mark.parametrize("variant", ["standard", "plugin", "in-place", "in-place causal"])
 @pytest.mark.parametrize("slots", [(0,), (0, 1, 2, 3), (1, 3)], ids=["alone", "contiguous", "gathered"])
-def test_backend_calls_match_torch(engine, plugin_graph, variant, slots):
-    session = Session.load(engine, "torch")
-    pair = session.pair
-    graph = plugin_graph if variant == "plugin" else engine / "onnx" / "draft.onnx"
+def test_backend_calls_match_torch(engine, plugin_graph, in_place_engines, variant, slots):
+    """Draft graphs: ``draft.onnx`` (a drafter with a sliding layer), the plugin-node graph, and ``draft_step.onnx``
+    for bidirectional and causal drafters."""
+    if variant.startswith("in-place"):
+        engine = in_place_engines[True if variant.endswith("causal") else None]
+    pair = Session.load(engine, "torch").pair
+    graph = {"plugin": plugin_graph, "standard": engine / "onnx" / "draft.onnx"}.get(variant,
+                                                                                     engine / "onnx" / "draft_step.onnx")
     ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx", graph,
                              512, max_batch=4)
     got, expected = _drive(ort_backend, slots), _drive(TorchBackend(pair, 512, 4), slots)
@@ -109,6 +121,37 @@ def test_target_caches_are_updated_in_place_one_call_per_run_of_slots(engine):
     written = np.argwhere((network.keys != before).any(axis=(0, 2, 4)))
     assert {tuple(p) for p in written} == {(0, 7), (1, 9), (3, 5)}
     assert network.lengths == [8, 10, 7, 6]
+
+
+@pytest.fixture(scope="module")
+def format_3_target_graph(engine, tmp_path_factory):
+    """``target_step.onnx`` as engines of format 3 hold it: without the ``query_seqlens`` input."""
+    import onnx
+
+    model = onnx.load(str(engine / "onnx" / "target_step.onnx"))
+    (query_seqlens,) = [i for i in model.graph.input if i.name == "query_seqlens"]
+    model.graph.input.remove(query_seqlens)
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            del node.input[7:]  # query_seqlens was its only input past total_sequence_length
+    path = tmp_path_factory.getbasetemp() / "format3" / "target_step.onnx"
+    path.parent.mkdir()
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_format_3_target_graph_runs_multi_token_rows_alone(engine, format_3_target_graph):
+    pair = Session.load(engine, "torch").pair
+    backend = OrtBackend(pair.target.config, pair.draft.config, format_3_target_graph, engine / "onnx" / "draft.onnx",
+                         512, max_batch=4)
+    calls = []
+    run = backend._target.session.run_with_iobinding
+    backend._target.session.run_with_iobinding = lambda io: (calls.append(io), run(io))
+    assert not backend._target.padded_rows
+    got, expected = _drive(backend, (0, 1, 2, 3)), _drive(TorchBackend(pair, 512, 4), (0, 1, 2, 3))
+    assert len(calls) == 12  # prompts and both verification rounds: one call per row
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(("spans", "padded_rows", "expected"), [
