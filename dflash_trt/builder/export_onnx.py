@@ -225,20 +225,14 @@ class _FusedBoundKeys(_BoundKeys):
     def __init__(self, key_cache: Tensor, value_cache: Tensor, live: int, masks: dict[tuple[bool, bool], Tensor],
                  context_positions: Tensor, block_positions: Tensor, cos: Tensor, sin: Tensor) -> None:
         super().__init__(key_cache, value_cache, live, masks)
-        self.context_positions, self.block_positions, self.cos, self.sin = context_positions, block_positions, cos, sin
+        self.block_positions, self.cos, self.sin = block_positions, cos, sin
+        self.positions = torch.cat([context_positions, block_positions], dim=1)  # [B, C+T]
 
-    def attend(self, layer: int, attn, q: Tensor, context_k: Tensor, context_v: Tensor, block_k: Tensor,
-               block_v: Tensor) -> Tensor:
-        def rotate(x: Tensor, positions: Tensor, heads: int) -> Tensor:
-            return _rotate(x, positions, heads, self.cos, self.sin)
-
+    def attend(self, layer: int, attn, q: Tensor, k: Tensor, v: Tensor, context: int) -> Tensor:
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
-        context = context_k.shape[1]
-        keys = torch.cat([rotate(context_k, self.context_positions, kv_heads),
-                          rotate(block_k, self.block_positions, kv_heads)], dim=1)  # [B, C+T, nkv*d]
-        values = torch.cat([context_v, block_v], dim=1)
         out, present_keys, present_values, _ = torch.onnx.ops.attention(
-            rotate(q, self.block_positions, heads), keys, values, self.masks[attn.mask_kind],
+            _rotate(q, self.block_positions, heads, self.cos, self.sin),
+            _rotate(k, self.positions, kv_heads, self.cos, self.sin), v, self.masks[attn.mask_kind],
             self.key_cache[:, layer, :, :self.live], self.value_cache[:, layer, :, :self.live],
             q_num_heads=heads, kv_num_heads=kv_heads)
         # present = [past ; context ; block], [B, nkv, K+C+T, d]: the context rows are the ones to keep (the
@@ -307,17 +301,14 @@ class _InPlaceDraftKeys:
         self.positions = torch.cat([context_positions, block_positions], dim=1)  # [1, c+T]
         self.present: list[Tensor] = []
 
-    def attend(self, layer: int, attn, q: Tensor, context_k: Tensor, context_v: Tensor, block_k: Tensor,
-               block_v: Tensor) -> Tensor:
-        context = context_k.shape[1]
+    def attend(self, layer: int, attn, q: Tensor, k: Tensor, v: Tensor, context: int) -> Tensor:
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
-        keys = _rotate(torch.cat([context_k, block_k], dim=1), self.positions, kv_heads, self.cos, self.sin)
+        keys = _rotate(k, self.positions, kv_heads, self.cos, self.sin)
         queries = torch.cat([q.new_zeros(q.shape[0], context, q.shape[2]),
                              _rotate(q, self.block_positions, heads, self.cos, self.sin)], dim=1)
         out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
             "com.microsoft::GroupQueryAttention",
-            (queries, keys, torch.cat([context_v, block_v], dim=1), self.keys[layer], self.values[layer],
-             self.seqlens_k, self.total_length),
+            (queries, keys, v, self.keys[layer], self.values[layer], self.seqlens_k, self.total_length),
             {"num_heads": heads, "kv_num_heads": kv_heads, "causal": int(attn.causal)},
             dtypes=(q.dtype, keys.dtype, keys.dtype),
             shapes=(queries.shape, self.keys[layer].shape, self.values[layer].shape), version=1)

@@ -59,12 +59,12 @@ class KeySource(Protocol):
 
 @runtime_checkable
 class FusedKeySource(Protocol):
-    """A key source that also rotates (the ONNX Runtime engine graph: RoPE and attention as single ONNX nodes,
-    ``builder/export_onnx.py``). Shapes: q ``[B, T, nq*d]``; context_k/v ``[Bc, c, nkv*d]``; block_k/v ``[B, T,
-    nkv*d]`` (normed, not rotated) -> ``[B, T, nq*d]``."""
+    """A key source that also rotates (the ONNX Runtime engine graphs: RoPE and attention as single ONNX nodes,
+    ``builder/export_onnx.py``). It gets the K/V of the rows ``[new context ; block]`` from one projection (a graph
+    then runs one K and one V matmul per layer). Shapes: q ``[B, T, nq*d]``; k/v ``[B, c+T, nkv*d]`` (k normed,
+    not rotated); ``context`` = c -> ``[B, T, nq*d]``."""
 
-    def attend(self, layer: int, attn: DraftAttention, q: Tensor, context_k: Tensor, context_v: Tensor,
-               block_k: Tensor, block_v: Tensor) -> Tensor: ...
+    def attend(self, layer: int, attn: DraftAttention, q: Tensor, k: Tensor, v: Tensor, context: int) -> Tensor: ...
 
 
 class DraftAttention(nn.Module):
@@ -104,11 +104,11 @@ class DraftAttention(nn.Module):
         """Shapes: x ``[B, T, H]`` (normed block), ctx ``[Bc, c, H]`` (fused context, not normed again)
         -> ``[B, T, H]``. RoPE tables are ``[B, 1, T, d]`` and ``[Bc, 1, c, d]``."""
         q = self.project_q(x)
+        if isinstance(keys, FusedKeySource):  # one projection of [context ; block] (rows share one batch there)
+            k, v = self.project_kv(torch.cat([ctx, x], dim=1))
+            return self.o_proj(keys.attend(layer, self, q.flatten(2), k.flatten(2), v.flatten(2), ctx.shape[1]))
         context_k, context_v = self.project_kv(ctx)
         block_k, block_v = self.project_kv(x)
-        if isinstance(keys, FusedKeySource):
-            return self.o_proj(keys.attend(layer, self, q.flatten(2), context_k.flatten(2), context_v.flatten(2),
-                                           block_k.flatten(2), block_v.flatten(2)))
         q = apply_rope(q.transpose(1, 2), *block_rope)
         context_k = apply_rope(context_k.transpose(1, 2), *context_rope)
         block_k = apply_rope(block_k.transpose(1, 2), *block_rope)
