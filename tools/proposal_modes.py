@@ -26,7 +26,7 @@ def main() -> None:
     torch.set_num_threads(1)
     session = Session.from_checkpoints()
     prompts = [p.text for p in load_dataset("tinystories").prompts]
-    print(f"| T | top-p | proposal | τ (mean acceptance length) | draft acceptance | decode tok/s (median) |")
+    print("| T | top-p | proposal | τ (mean acceptance length) | draft acceptance | decode tok/s (median) |")
     print("|---|---|---|---|---|---|")
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
         rows = {}

@@ -120,7 +120,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         + (f" ({conds['execution']} forwards)" if conds["execution"] else "")
         + f", dtype {conds['dtype']}; machine: {hw['cpu']} ({hw['machine']}, "
         f"{hw['cpu_count']} cores, torch threads {hw['torch_threads']}), GPU: {hw['gpu'] or 'none'}",
-        f"- packages: " + ", ".join(f"{k} {v}" for k, v in conds["packages"].items()),
+        "- packages: " + ", ".join(f"{k} {v}" for k, v in conds["packages"].items()),
         f"- max_new_tokens {conds['config']['max_new_tokens']}, {conds['config']['num_prompts']} prompts per "
         f"dataset, {conds['config']['repeats']} pass(es) over them, seed {conds['config']['seed']}, warm-up "
         f"{conds['config']['warmup']} requests and one wave per cell excluded; modes interleaved wave by wave "

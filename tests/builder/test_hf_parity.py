@@ -135,7 +135,7 @@ def test_taps_equal_transformers_hidden_states_at_layer_plus_one(pair):
     tap_ids = tuple(reversed(range(count - 1)))  # unsorted on purpose: concatenation follows the given order
     with torch.no_grad():
         _, taps = ours(ids, 0, ours.new_cache(1, 32), tap_ids=tap_ids)
-    expected = torch.cat([hidden[l + 1] for l in tap_ids], dim=-1)
+    expected = torch.cat([hidden[layer + 1] for layer in tap_ids], dim=-1)
     assert taps.shape == (1, 24, len(tap_ids) * ours.config.hidden_size)
     torch.testing.assert_close(taps, expected, rtol=0, atol=ATOL)
 

@@ -77,7 +77,10 @@ def test_resume_equals_uninterrupted_training_bit_for_bit(target, sequences):
 
 def test_fixed_seed_reproduces_and_another_seed_differs(target, sequences):
     config = _config(target)
-    run = lambda seed: distill_drafter(target, config, sequences, steps=4, seed=seed, batch_size=2, max_anchors=4)
+
+    def run(seed):
+        return distill_drafter(target, config, sequences, steps=4, seed=seed, batch_size=2, max_anchors=4)
+
     one, two, other = run(1).state_dict(), run(1).state_dict(), run(2).state_dict()
     assert all(torch.equal(one[k], two[k]) for k in one)
     assert not torch.equal(one["fc.weight"], other["fc.weight"])
