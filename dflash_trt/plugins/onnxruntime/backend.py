@@ -252,10 +252,10 @@ class _InPlaceGraph:
 class _InPlaceTarget(_InPlaceGraph):
     """The target's ``target_step.onnx`` (``builder/export_onnx.py``, :class:`StepGraph`).
 
-    A call covers a run of consecutive slots; its rows are right-padded to the widest (``query_seqlens``), so
-    decode steps, verification blocks and prompts of many requests share calls (:func:`plan_calls`). Graphs
-    without ``query_seqlens`` (format 3 engines) run a row adding several tokens alone, as ONNX Runtime's kernel
-    then requires."""
+    A call covers a range of slots; its rows are right-padded to the widest and the slots without a row are idle
+    entries (``query_seqlens``), so decode steps, verification blocks and prompts of many requests share calls
+    (:func:`plan_calls`). Graphs without ``query_seqlens`` (format 3 engines) take runs of consecutive slots and run a
+    row adding several tokens alone, as ONNX Runtime's kernel then requires."""
 
     def __init__(self, session, shape: tuple[int, int, int, int, int]) -> None:
         super().__init__(session, shape)
@@ -276,30 +276,38 @@ class _InPlaceTarget(_InPlaceGraph):
         return inputs, {name: np.zeros((count, width, size), np.float32) for name, size in self.output_widths.items()}
 
     def _run(self, rows: list[TargetRow], with_taps: bool, results: list, indices: list[int]) -> None:
+        """One call over the slots from ``rows[0]``'s to ``rows[-1]``'s (rows sorted by slot); a slot between them
+        without a row is an idle entry (``query_seqlens`` 0: nothing written, its outputs ignored)."""
+        first = rows[0].slot
+        entries = [row.slot - first for row in rows]  # each row's entry in the call
         widths = np.array([len(row.tokens) for row in rows])
-        width, count = int(widths.max()), len(rows)
-        bound = self.binding(rows[0].slot, count, (width,), lambda: self._buffers(count, width))
+        width, count = int(widths.max()), entries[-1] + 1
+        bound = self.binding(first, count, (width,), lambda: self._buffers(count, width))
         inputs = bound.inputs
         starts = np.array([row.start for row in rows], np.int64)
+        if count > len(rows):  # (query_seqlens graphs only, plan_calls) an idle entry: one unread row, none new
+            inputs["seqlens_k"][:] = 0
+            inputs["query_seqlens"][:] = 0
+        at = entries if count > len(rows) else slice(None)
         if widths.min() == width:
-            inputs["tokens"][:] = [row.tokens for row in rows]
-            inputs["positions"][:] = starts[:, None] + np.arange(width)
-        else:  # right padding keeps the binding's earlier (valid) tokens and positions: never written, never read
-            for row_index, row in enumerate(rows):
-                inputs["tokens"][row_index, :len(row.tokens)] = row.tokens
-                inputs["positions"][row_index, :len(row.tokens)] = np.arange(row.start, row.start + len(row.tokens))
-        inputs["seqlens_k"][:] = starts + widths - 1
-        inputs["total_length"][...] = (starts + widths).max()
+            inputs["tokens"][at] = [row.tokens for row in rows]
+            inputs["positions"][at] = starts[:, None] + np.arange(width)
+        else:  # right padding keeps the binding's earlier valid tokens and positions (never written, never read)
+            for entry, row in zip(entries, rows):
+                inputs["tokens"][entry, :len(row.tokens)] = row.tokens
+                inputs["positions"][entry, :len(row.tokens)] = np.arange(row.start, row.start + len(row.tokens))
+        inputs["seqlens_k"][at] = starts + widths - 1
         if self.padded_rows:
-            inputs["query_seqlens"][:] = widths
+            inputs["query_seqlens"][at] = widths
+        inputs["total_length"][...] = (starts + widths).max()
         self.session.run_with_iobinding(bound.io)
         logits, taps = bound.outputs["logits"], bound.outputs.get("taps")
-        for row_index, (index, row) in enumerate(zip(indices, rows)):
-            count = len(row.tokens)
-            self.lengths[row.slot] = row.start + count
-            kept = slice(count - 1, count) if row.last_only else slice(0, count)
-            results[index] = (torch.from_numpy(logits[row_index, kept].copy()),  # the buffers are reused
-                              torch.from_numpy(taps[row_index, :count].copy()) if with_taps and taps is not None
+        for entry, index, row in zip(entries, indices, rows):
+            tokens = len(row.tokens)
+            self.lengths[row.slot] = row.start + tokens
+            kept = slice(tokens - 1, tokens) if row.last_only else slice(0, tokens)
+            results[index] = (torch.from_numpy(logits[entry, kept].copy()),  # the buffers are reused
+                              torch.from_numpy(taps[entry, :tokens].copy()) if with_taps and taps is not None
                               else None)
 
 
@@ -343,10 +351,13 @@ MAX_PADDING = 0.5
 
 
 def plan_calls(spans: list[tuple[int, int, int]], capacity: int, padded_rows: bool = True) -> list[list[int]]:
-    """Which rows share a ``target_step.onnx`` call: indices into ``spans`` (``(slot, start, width)`` per row), each
-    call a run of consecutive slots. One-token rows and wider rows go to separate calls; a wider row joins a call
-    while at most ``MAX_PADDING`` of the call would be padding and every row's padded chunk fits the cache
-    (``start + width <= capacity``, the kernel's rule). Without ``padded_rows`` a wider row runs alone."""
+    """Which rows share a ``target_step.onnx`` call: indices into ``spans`` (``(slot, start, width)`` per row), sorted
+    by slot. A call covers the slots from its first row's to its last row's, right-padded to its widest row; with
+    ``padded_rows`` (``query_seqlens``) a slot in between without a row is an idle entry, without it a call is a run
+    of consecutive slots and a wider row runs alone. One-token rows and wider rows go to separate calls; a row joins a
+    call while at most ``MAX_PADDING`` of the call's rows would be padding (right padding and idle entries: they cost
+    what real rows cost) and every row's padded chunk fits the cache (``start + width <= capacity``, the kernel's
+    rule)."""
     calls: list[list[int]] = []
     for one_token in (True, False):
         members = sorted((i for i, span in enumerate(spans) if (span[2] == 1) == one_token), key=lambda i: spans[i][0])
@@ -355,9 +366,10 @@ def plan_calls(spans: list[tuple[int, int, int]], capacity: int, padded_rows: bo
             slot, start, width = spans[index]
             if call:
                 padded = max(width, max(spans[i][2] for i in call))
+                entries = slot - spans[call[0]][0] + 1
                 useful = width + sum(spans[i][2] for i in call)
-                joins = (spans[call[-1]][0] + 1 == slot and (one_token or padded_rows)
-                         and padded * (len(call) + 1) * (1 - MAX_PADDING) <= useful
+                joins = ((padded_rows or (one_token and spans[call[-1]][0] + 1 == slot))
+                         and padded * entries * (1 - MAX_PADDING) <= useful
                          and max(start, max(spans[i][1] for i in call)) + padded <= capacity)
                 if joins:
                     call.append(index)

@@ -114,12 +114,12 @@ def test_target_caches_are_updated_in_place_one_call_per_run_of_slots(engine):
     calls.clear()
     before = network.keys.copy()
     backend.target_batch([TargetRow(slot, [9], len(prompts[slot])) for slot in (0, 1, 3)], False)
-    assert len(calls) == 2  # slots 0-1 together, slot 3 alone
-    binding = network._bindings[(0, 2, 1)]
+    assert len(calls) == 1  # slots 0-3, slot 2 an idle entry
+    binding = network._bindings[(0, 4, 1)]
     assert all(np.shares_memory(view, network.keys) or np.shares_memory(view, network.values)
                for view in binding.caches)
     written = np.argwhere((network.keys != before).any(axis=(0, 2, 4)))
-    assert {tuple(p) for p in written} == {(0, 7), (1, 9), (3, 5)}
+    assert {tuple(p) for p in written} == {(0, 7), (1, 9), (3, 5)}  # nothing in the idle slot 2
     assert network.lengths == [8, 10, 7, 6]
 
 
@@ -158,7 +158,9 @@ def test_a_format_3_target_graph_runs_multi_token_rows_alone(engine, format_3_ta
     # (slot, start, width) per row -> the calls, as row indices
     ([(0, 9, 1), (1, 9, 1), (2, 4, 16), (3, 8, 16)], True, [[0, 1], [2, 3]]),  # one-token rows apart from blocks
     ([(0, 4, 16), (1, 9, 1)], True, [[1], [0]]),
-    ([(2, 9, 1), (0, 9, 1), (1, 9, 1), (5, 9, 1)], True, [[1, 2, 0], [3]]),  # runs of consecutive slots
+    ([(2, 9, 1), (0, 9, 1), (1, 9, 1), (5, 9, 1)], True, [[1, 2, 0, 3]]),  # slots 3, 4 idle: 2 of 6 entries
+    ([(0, 9, 1), (1, 9, 1), (7, 9, 1)], True, [[0, 1], [2]]),  # slots 2-6 idle would be 5 of 8: a new call
+    ([(2, 9, 1), (0, 9, 1), (1, 9, 1), (5, 9, 1)], False, [[1, 2, 0], [3]]),  # no query_seqlens: consecutive only
     ([(0, 0, 30), (1, 0, 20), (2, 0, 10)], True, [[0, 1, 2]]),  # 30 of 90 rows padding: shared
     ([(0, 0, 30), (1, 0, 2), (2, 0, 80)], True, [[0, 1], [2]]),  # would be 128 of 240: a new call
     ([(0, 500, 2), (1, 100, 16)], True, [[0], [1]]),  # 500 + 16 rows would overrun a 512-row cache
