@@ -18,15 +18,22 @@ in a forward to the graph without copying them. Padding tokens sit at position `
   [B, N, nkv, S, d]`` -> ``logits [B, T, V]``, ``taps [B, T, L*H]`` (outputs of the tapped layers in
   ``target_layer_ids`` order), ``new_keys``/``new_values [B, N, nkv, T, d]`` (the runtime writes them at each
   row's positions).
-* ``draft.onnx``: ``block [B, Bc]`` int64 (anchor + masks), ``block_positions [B, Bc]``, ``taps [B, C, L*H]``
-  (new context rows, right-aligned), ``context_positions [B, C]`` (padding ``S``), ``cache_positions [K]``,
-  ``cache_lengths [B]``, ``key_cache``/``value_cache [B, n, nkv, S, d]`` -> ``draft_logits [B, Bc-1, V]``,
-  ``context_keys``/``context_values [B, n, nkv, C, d]`` (the context rows to append; block K/V never
-  survive a cycle, docs/algorithm.md). The drafter graph contains the target's embedding and LM head.
+* ``draft_step.onnx`` (ONNX Runtime engines whose drafter has full-attention layers only; one request per call):
+  ``block``/``block_positions [1, Bc]`` int64, ``taps [1, C, L*H]`` (the new context rows), ``context_positions
+  [1, C]``, ``seqlens_k [1]`` int32 (``start + Bc - 1``), ``total_length []`` int32, ``key_cache.{l}``/
+  ``value_cache.{l} [1, nkv, S, d]`` -> ``draft_logits [1, Bc-1, V]``, ``present_key.{l}``/``present_value.{l}``:
+  each layer's attention is one ``GroupQueryAttention`` node over ``[context ; block]`` (bidirectional or causal as
+  the layer is) that writes their K/V after the committed rows, in place; the runtime commits up to the anchor.
+* ``draft.onnx`` (drafters with sliding-window layers, and TensorRT engines): ``block [B, Bc]`` int64 (anchor +
+  masks), ``block_positions [B, Bc]``, ``taps [B, C, L*H]`` (new context rows, right-aligned),
+  ``context_positions [B, C]`` (padding ``S``), ``cache_positions [K]``, ``cache_lengths [B]``,
+  ``key_cache``/``value_cache [B, n, nkv, S, d]`` -> ``draft_logits [B, Bc-1, V]``, ``context_keys``/
+  ``context_values [B, n, nkv, C, d]`` (the context rows to append; block K/V never survive a cycle,
+  docs/algorithm.md). Every drafter graph contains the target's embedding and LM head.
 
 All are traced from the model's own modules (``TargetModel.run_layers``, ``DraftHead.run_layers`` and its
 visibility rule): only the K/V store is the graph's own (:class:`_InPlaceCache`, :class:`_BoundCache`,
-:class:`_BoundKeys`).
+:class:`_BoundKeys`, :class:`_InPlaceDraftKeys`).
 
 ``draft_plugin.onnx`` is the TensorRT variant: attention is one ``DFlashBlockAttention`` node per layer
 (schema ``dflash::block_attention``), whose rows share one context length, so it keeps the prefix I/O
