@@ -26,7 +26,6 @@ class BackendSpec:
     needs_engine: bool  # runs the artefacts of an engine folder (not checkpoints)
     rank: int  # ``auto`` tries lower ranks first: the faster backend where both can run
     blocker: Callable[[object], str | None]  # (manifest or None) -> why it cannot run here, None when it can
-    batched: bool = True  # serves many requests per forward (every registered backend does)
 
     def why_not_runnable(self, manifest=None) -> str | None:
         return self.blocker(manifest)
