@@ -40,6 +40,13 @@ def argmax_rows(logits: Tensor) -> Tensor:
     return logits.argmax(-1)
 
 
+def argmax_ids(logits: Tensor) -> list[int]:
+    """``argmax_rows(logits).tolist()``, without making a tensor on a CPU. Shapes: ``[R, V]`` -> R ids."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def draw(probs: Tensor, generator: torch.Generator) -> Tensor:
     """One independent draw per row. Shapes: probs ``[R, V]`` -> ids ``[R]``."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_trt.runtime.sampling import argmax_rows, draw
+from dflash_trt.runtime.sampling import argmax_ids, draw
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ def accept_greedy(drafts: Tensor, target_logits: Tensor) -> Verdict:
 
     Shapes: drafts ``[K]`` (x_1..x_K), target_logits ``[K+1, V]``.
     """
-    targets = argmax_rows(target_logits).tolist()  # host-sync: the loop needs the count
+    targets = argmax_ids(target_logits)  # host-sync: the loop needs the count
     accepted = 0
     for draft, target in zip(drafts.tolist(), targets):
         if draft != target:

@@ -362,20 +362,21 @@ def plan_calls(spans: list[tuple[int, int, int]], capacity: int, padded_rows: bo
     for one_token in (True, False):
         members = sorted((i for i, span in enumerate(spans) if (span[2] == 1) == one_token), key=lambda i: spans[i][0])
         call: list[int] = []
+        widest = useful = latest = 0  # the call's widest row, its real rows, its latest start
         for index in members:
             slot, start, width = spans[index]
             if call:
-                padded = max(width, max(spans[i][2] for i in call))
+                padded = max(width, widest)
                 entries = slot - spans[call[0]][0] + 1
-                useful = width + sum(spans[i][2] for i in call)
                 joins = ((padded_rows or (one_token and spans[call[-1]][0] + 1 == slot))
-                         and padded * entries * (1 - MAX_PADDING) <= useful
-                         and max(start, max(spans[i][1] for i in call)) + padded <= capacity)
+                         and padded * entries * (1 - MAX_PADDING) <= useful + width
+                         and max(start, latest) + padded <= capacity)
                 if joins:
                     call.append(index)
+                    widest, useful, latest = padded, useful + width, max(start, latest)
                     continue
                 calls.append(call)
-            call = [index]
+            call, widest, useful, latest = [index], width, width, start
         if call:
             calls.append(call)
     return calls
