@@ -50,7 +50,9 @@ class RequestState:
         self.anchor = -1
         self.pending: list[Tensor] = []
         self.device = generator.device  # the backend's device: logits, drafts and draws live there
-        self.drafts: Tensor = torch.empty(0, dtype=torch.long, device=self.device)
+        self._no_drafts = torch.empty(0, dtype=torch.long, device=self.device)
+        self.drafts: Tensor = self._no_drafts
+        self.draft_ids: list[int] = []  # self.drafts on the host
         self.draft_probs: Tensor | None = None
         self.finished = False
 
@@ -86,7 +88,7 @@ class RequestState:
     def draft_row(self, draft_len: int) -> DraftRow | None:
         """The next draft call, or None when this cycle drafts nothing (``draft_len`` 0 or no room left)."""
         block_size = min(draft_len + 1, self.max_length - self.start)  # the block shrinks at the end (parity)
-        self.drafts, self.draft_probs = torch.empty(0, dtype=torch.long, device=self.device), None
+        self.drafts, self.draft_ids, self.draft_probs = self._no_drafts, [], None
         if block_size <= 1:
             return None
         taps = torch.cat(self.pending) if len(self.pending) != 1 else self.pending[0]
@@ -100,14 +102,15 @@ class RequestState:
         else:
             self.draft_probs = self.probs(draft_logits)
             self.drafts = draw(self.draft_probs, self.generator)
+        self.draft_ids = self.drafts.tolist()  # host-sync: the verify row needs the ids
 
     def verify_row(self) -> TargetRow:
-        return TargetRow(self.slot, [self.anchor] + self.drafts.tolist(), self.start)
+        return TargetRow(self.slot, [self.anchor] + self.draft_ids, self.start)
 
     def finish_verify(self, logits: Tensor, taps: Tensor | None) -> Cycle:
         """Accept, commit the accepted drafts and the bonus, cut at a stop token. Logits ``[K+1, V]``."""
         verdict = self._verify(logits)
-        new_tokens = self.drafts[:verdict.accepted].tolist() + [verdict.bonus]  # host-sync: committed ids
+        new_tokens = self.draft_ids[:verdict.accepted] + [verdict.bonus]
         new_tokens = new_tokens[:self.max_length - self.start - 1]
         stopped = False
         for index, token in enumerate(new_tokens):
@@ -120,7 +123,7 @@ class RequestState:
         self.start += produced
         self.anchor = new_tokens[-1]
         self.finished = stopped or self.start + 1 >= self.max_length
-        return Cycle(new_tokens, drafted=len(self.drafts), accepted=verdict.accepted, stopped=stopped,
+        return Cycle(new_tokens, drafted=len(self.draft_ids), accepted=verdict.accepted, stopped=stopped,
                      finished=self.finished)
 
     def _verify(self, logits: Tensor) -> Verdict:
