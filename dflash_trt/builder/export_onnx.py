@@ -157,14 +157,25 @@ class _InPlaceCache:
         # (docs/environment.md §4.4)
         q = _rotate(q, self.positions, self.heads, self.cos, self.sin)
         k = _rotate(k, self.positions, self.kv_heads, self.cos, self.sin)
-        out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
-            "com.microsoft::GroupQueryAttention",
-            # inputs 7-15 (cos/sin caches, position ids, bias, sinks, cache scales, q/k norm weights) stay unset
-            (q, k, v, keys, values, self.seqlens_k, self.total_length) + (None,) * 9 + (self.query_seqlens,),
-            {"num_heads": self.heads, "kv_num_heads": self.kv_heads},
-            dtypes=(q.dtype, keys.dtype, values.dtype), shapes=(q.shape, keys.shape, values.shape), version=1)
+        out, present_key, present_value = _group_query_attention(q, k, v, keys, values, self.seqlens_k,
+                                                                 self.total_length, self.heads, self.kv_heads,
+                                                                 query_seqlens=self.query_seqlens)
         self.present += [present_key, present_value]
         return out
+
+
+def _group_query_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, seqlens_k: Tensor,
+                           total_length: Tensor, heads: int, kv_heads: int, causal: bool = True,
+                           query_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """One ``com.microsoft.GroupQueryAttention`` node over a cache buffer it extends in place (docs/environment.md
+    §4.4). Shapes: q ``[B, T, nq*d]``, k/v ``[B, T, nkv*d]`` (rotated), keys/values ``[B, nkv, S, d]`` -> output
+    ``[B, T, nq*d]``, present keys/values (the buffers' shapes)."""
+    # inputs 7-15 (cos/sin caches, position ids, bias, sinks, cache scales, q/k norm weights) stay unset
+    optional = () if query_seqlens is None else (None,) * 9 + (query_seqlens,)
+    return torch.onnx.ops.symbolic_multi_out(
+        "com.microsoft::GroupQueryAttention", (q, k, v, keys, values, seqlens_k, total_length) + optional,
+        {"num_heads": heads, "kv_num_heads": kv_heads, "causal": int(causal)},
+        dtypes=(q.dtype, keys.dtype, values.dtype), shapes=(q.shape, keys.shape, values.shape), version=1)
 
 
 def _register_rope_tables(module: nn.Module, rotary) -> None:
@@ -249,7 +260,21 @@ class _FusedBoundKeys(_BoundKeys):
         return out  # [B, T, nq*d]
 
 
-class DraftGraph(nn.Module):
+class _DrafterGraph(nn.Module):
+    """A drafter graph's parts: ``DraftHead`` plus the target's embedding and LM head it borrows (frozen copies)."""
+
+    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        super().__init__()
+        self.head = head
+        self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
+        self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
+
+    def embed_block(self, block: Tensor) -> Tensor:
+        """Shapes: block ``[B, Bc]`` ids -> ``[B, Bc, H]`` (scaled as the drafter's config says)."""
+        return F.embedding(block, self.embed) * self.head.config.input_embedding_scale
+
+
+class DraftGraph(_DrafterGraph):
     """``DraftHead`` plus the borrowed embedding and LM head as a function of (block, context, bound caches).
 
     The network is ``DraftHead.run_layers`` and the masks are ``model.block_attention.visible``: only the
@@ -257,10 +282,7 @@ class DraftGraph(nn.Module):
     """
 
     def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor, fused: bool = False) -> None:
-        super().__init__()
-        self.head = head
-        self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
-        self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
+        super().__init__(head, embed_weight, lm_head_weight)
         self.fused = fused  # RoPE and attention as single opset-23 nodes (ONNX Runtime engines)
         _register_rope_tables(self, head.rotary)
 
@@ -285,7 +307,7 @@ class DraftGraph(nn.Module):
                                    block_positions, self.rope_cos, self.rope_sin)
         else:
             keys = _BoundKeys(key_cache, value_cache, cache_positions.shape[0], masks)
-        embeds = F.embedding(block, self.embed) * head.config.input_embedding_scale
+        embeds = self.embed_block(block)
         hidden = head.run_layers(embeds, taps, head.rotary.lookup(block_positions, embeds.dtype),
                                  head.rotary.lookup(context_positions, embeds.dtype), keys)
         logits = head.logits(hidden[:, 1:], self.lm_head)
@@ -313,26 +335,20 @@ class _InPlaceDraftKeys:
         keys = _rotate(k, self.positions, kv_heads, self.cos, self.sin)
         queries = torch.cat([q.new_zeros(q.shape[0], context, q.shape[2]),
                              _rotate(q, self.block_positions, heads, self.cos, self.sin)], dim=1)
-        out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
-            "com.microsoft::GroupQueryAttention",
-            (queries, keys, v, self.keys[layer], self.values[layer], self.seqlens_k, self.total_length),
-            {"num_heads": heads, "kv_num_heads": kv_heads, "causal": int(attn.causal)},
-            dtypes=(q.dtype, keys.dtype, keys.dtype),
-            shapes=(queries.shape, self.keys[layer].shape, self.values[layer].shape), version=1)
+        out, present_key, present_value = _group_query_attention(queries, keys, v, self.keys[layer],
+                                                                 self.values[layer], self.seqlens_k,
+                                                                 self.total_length, heads, kv_heads, attn.causal)
         self.present += [present_key, present_value]
         return out[:, context:]  # [1, T, nq*d]
 
 
-class DraftStepGraph(nn.Module):
+class DraftStepGraph(_DrafterGraph):
     """The ONNX Runtime drafter graph: ``DraftHead.run_layers`` plus the borrowed embedding and LM head over
     per-layer cache buffers updated in place (:class:`_InPlaceDraftKeys`), one request per call. Drafters with
     sliding-window layers keep :class:`DraftGraph` (the kernel's window is causal only)."""
 
     def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
-        super().__init__()
-        self.head = head
-        self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
-        self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
+        super().__init__(head, embed_weight, lm_head_weight)
         _register_rope_tables(self, head.rotary)
 
     def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
@@ -341,7 +357,7 @@ class DraftStepGraph(nn.Module):
         layers = head.config.num_layers
         keys = _InPlaceDraftKeys(list(caches[:layers]), list(caches[layers:]), context_positions, block_positions,
                                  (seqlens_k, total_length), self.rope_cos, self.rope_sin)
-        embeds = F.embedding(block, self.embed) * head.config.input_embedding_scale
+        embeds = self.embed_block(block)
         hidden = head.run_layers(embeds, taps, None, None, keys)  # the key source rotates
         present = keys.present
         return (head.logits(hidden[:, 1:], self.lm_head),) + tuple(present[0::2]) + tuple(present[1::2])
@@ -352,23 +368,17 @@ def in_place_drafter(head: DraftHead) -> bool:
     return not any(head.config.layer_sliding)
 
 
-class PluginDraftGraph(nn.Module):
+class PluginDraftGraph(_DrafterGraph):
     """The drafter for TensorRT: ``DraftHead.forward_op`` with attention as the ``dflash::block_attention`` node.
 
     The op has no per-row masks, so the rows of a call share one context length (prefix I/O).
     """
 
-    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
-        super().__init__()
-        self.head = head
-        self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
-        self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
-
     def forward(self, block: Tensor, taps: Tensor, past_keys: Tensor, past_values: Tensor) -> tuple[Tensor, ...]:
         batch, length = block.shape
         past = past_keys.shape[3]
         positions = torch.arange(past, past + taps.shape[1] + length, device=block.device).expand(batch, -1)
-        embeds = F.embedding(block, self.embed) * self.head.config.input_embedding_scale
+        embeds = self.embed_block(block)
         hidden, context_keys, context_values = self.head.forward_op(
             embeds, taps, positions, past_keys, past_values, op=torch.ops.dflash.block_attention)
         return self.head.logits(hidden, self.lm_head), context_keys, context_values
@@ -438,14 +448,16 @@ def export_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limi
                     "key_cache": cache_dims, "value_cache": cache_dims}, path, {}, limits.opset)
 
 
+def _per_layer(num_layers: int, *names: str) -> tuple[str, ...]:
+    """``name.0 .. name.{n-1}`` for each name in turn: the per-layer cache inputs and present outputs."""
+    return tuple(f"{name}.{layer}" for name in names for layer in range(num_layers))
+
+
 def step_graph_io(num_layers: int, with_taps: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Input and output names of ``target_step.onnx``."""
-    def per_layer(name: str) -> tuple[str, ...]:
-        return tuple(f"{name}.{layer}" for layer in range(num_layers))
-
-    inputs = (("tokens", "positions", "seqlens_k", "total_length", "query_seqlens") + per_layer("key_cache")
-              + per_layer("value_cache"))
-    outputs = ("logits",) + (("taps",) if with_taps else ()) + per_layer("present_key") + per_layer("present_value")
+    inputs = (("tokens", "positions", "seqlens_k", "total_length", "query_seqlens")
+              + _per_layer(num_layers, "key_cache", "value_cache"))
+    outputs = ("logits",) + (("taps",) if with_taps else ()) + _per_layer(num_layers, "present_key", "present_value")
     return inputs, outputs
 
 
@@ -505,12 +517,9 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
 
 def draft_step_graph_io(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Input and output names of ``draft_step.onnx``."""
-    def per_layer(name: str) -> tuple[str, ...]:
-        return tuple(f"{name}.{layer}" for layer in range(num_layers))
-
     inputs = (("block", "block_positions", "taps", "context_positions", "seqlens_k", "total_length")
-              + per_layer("key_cache") + per_layer("value_cache"))
-    return inputs, ("draft_logits",) + per_layer("present_key") + per_layer("present_value")
+              + _per_layer(num_layers, "key_cache", "value_cache"))
+    return inputs, ("draft_logits",) + _per_layer(num_layers, "present_key", "present_value")
 
 
 def export_step_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits) -> Path:

@@ -78,8 +78,8 @@ class RequestState:
     def finish_prefill(self, logits: Tensor, taps: Tensor | None) -> Cycle:
         """First token from the last prompt row; the taps of every prompt row are the first draft context."""
         last = logits[-1]
-        self.anchor = int(argmax_rows(last)) if self.greedy else int(draw(self.probs(last.unsqueeze(0)),
-                                                                      self.generator)[0])
+        self.anchor = (int(argmax_rows(last)) if self.greedy
+                       else int(draw(self.probs(last.unsqueeze(0)), self.generator)[0]))
         self.pending = [taps] if taps is not None else []
         self.finished = self.anchor in self.stop_ids or self.start + 1 >= self.max_length
         return Cycle([self.anchor], drafted=0, accepted=0, prefill=True, stopped=self.anchor in self.stop_ids,

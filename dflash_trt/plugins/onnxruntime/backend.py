@@ -93,14 +93,12 @@ class OrtBackend:
         small = target_config.hidden_size < SMALL_MODEL_HIDDEN
         session = open_session(target_graph, quant_mode, small)
         shape = (max_batch, target_config.num_layers, target_config.num_kv_heads, max_seq_len, target_config.head_dim)
-        self._target = (_InPlaceTarget(session, shape) if "seqlens_k" in {i.name for i in session.get_inputs()}
-                        else _Network(session, *shape))
+        self._target = _InPlaceTarget(session, shape) if _in_place(session) else _Network(session, *shape)
         self._draft = None
         if draft_graph is not None and draft_config is not None:
             session = open_session(draft_graph, quant_mode, small)
             shape = (max_batch, draft_config.num_layers, draft_config.num_kv_heads, max_seq_len, draft_config.head_dim)
-            self._draft = (_InPlaceDrafter(session, shape) if "seqlens_k" in {i.name for i in session.get_inputs()}
-                           else _Network(session, *shape))
+            self._draft = _InPlaceDrafter(session, shape) if _in_place(session) else _Network(session, *shape)
 
     def reset_slot(self, slot: int) -> None:
         self._target.lengths[slot] = 0
@@ -192,6 +190,12 @@ class OrtBackend:
         logits, keys, values = network.session.run(None, feeds)
         network.store(row.slot, past, keys[:, 0], values[:, 0])
         return torch.from_numpy(logits[0])
+
+
+def _in_place(session) -> bool:
+    """Whether a graph extends its cache buffers in place (``target_step.onnx``, ``draft_step.onnx``): they take
+    ``seqlens_k``, the graphs that return new K/V rows do not."""
+    return "seqlens_k" in {i.name for i in session.get_inputs()}
 
 
 class _Binding:
@@ -370,7 +374,7 @@ def plan_calls(spans: list[tuple[int, int, int]], capacity: int, padded_rows: bo
                 entries = slot - spans[call[0]][0] + 1
                 joins = ((padded_rows or (one_token and spans[call[-1]][0] + 1 == slot))
                          and padded * entries * (1 - MAX_PADDING) <= useful + width
-                         and max(start, latest) + padded <= capacity)
+                         and max(start, latest, 1) + padded <= capacity)  # an idle entry holds one row
                 if joins:
                     call.append(index)
                     widest, useful, latest = padded, useful + width, max(start, latest)
