@@ -7,19 +7,42 @@ with the highest score, leftmost on ties.
 
 from __future__ import annotations
 
+import heapq
 import struct
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from dflash_trt.errors import TokenizerError
+from dflash_trt.errors import RequestError, TokenizerError
 
 _BYTE_FALLBACK_OFFSET = 3
+_NEG_INF = float("-inf")
+_NORMALIZER_SLACK = 4
+
+
+def text_limit(tokenizer: Tokenizer, max_seq_len: int) -> int:
+    """The most characters a text may have and still fit ``max_seq_len`` tokens (a sound bound: a longer text
+    cannot fit, a shorter one may still not; the token count decides then)."""
+    return max_seq_len * tokenizer.max_chars_per_token
+
+
+def check_text_length(text: str, tokenizer: Tokenizer, max_seq_len: int, field: str) -> None:
+    """Refuse, before tokenizing it, a text too long to fit the context (``field``: the input's name in the
+    request, for the message). Constant time: a length comparison."""
+    limit = text_limit(tokenizer, max_seq_len)
+    if len(text) > limit:
+        raise RequestError(f"field `{field}` has {len(text):,} characters; expected at most {limit:,}: the context "
+                           f"is {max_seq_len:,} tokens and no token of this tokenizer covers more than "
+                           f"{tokenizer.max_chars_per_token} characters, so the text cannot fit. Fix: shorten "
+                           f"`{field}` to fit {max_seq_len:,} tokens with the answer (or split it over requests).")
 
 
 class Tokenizer(Protocol):
     """What the runtime needs from a tokenizer."""
 
     vocab_size: int
+    max_chars_per_token: int
+    """No token covers more characters of the text than this: a text of ``n`` characters is at least
+    ``n / max_chars_per_token`` tokens, so it is known not to fit a context before it is tokenized."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -54,8 +77,13 @@ class Llama2cTokenizer:
         self.scores = scores
         self.vocab_size = len(pieces)
         self._ids = {piece: index for index, piece in enumerate(pieces)}
+        # a piece's characters are at most its bytes; a byte-fallback id covers one byte of a character
+        self.max_chars_per_token = max(1, max(map(len, pieces), default=1))
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
+        """llama2.c's merge rule (the adjacent pair whose merge scores highest, the leftmost on ties, until none
+        merges) in O(n log n): the candidate pairs sit in a heap keyed by (-score, position of the left piece), the
+        pieces in a linked list; a heap entry whose pieces have changed since it was pushed is skipped."""
         ids: list[int] = []
         if text:
             ids.append(self._ids[b" "])
@@ -65,16 +93,41 @@ class Llama2cTokenizer:
                 ids.append(self._ids[piece])
             else:
                 ids.extend(byte + _BYTE_FALLBACK_OFFSET for byte in piece)
-        while True:
-            best_score, best_index, best_id = float("-inf"), -1, -1
-            for index in range(len(ids) - 1):
-                merged = self._ids.get(self.pieces[ids[index]] + self.pieces[ids[index + 1]])
-                if merged is not None and self.scores[merged] > best_score:
-                    best_score, best_index, best_id = self.scores[merged], index, merged
-            if best_index < 0:
-                break
-            ids[best_index:best_index + 2] = [best_id]
+        if len(ids) > 1:
+            ids = self._merge(ids)
         return ([self.bos_token_id] if bos else []) + ids
+
+    def _merge(self, ids: list[int]) -> list[int]:
+        pieces, scores, lookup = self.pieces, self.scores, self._ids
+        count = len(ids)
+        following = list(range(1, count + 1))  # following[i] == count: the last piece
+        preceding = list(range(-1, count - 1))
+        alive = [True] * count
+        heap: list[tuple[float, int, int, int, int, int]] = []
+
+        def candidate(left: int, right: int) -> None:
+            merged = lookup.get(pieces[ids[left]] + pieces[ids[right]])
+            # -inf or NaN scores never win the reference's strict `>` against -inf: never merged there either
+            if merged is not None and scores[merged] > _NEG_INF:
+                heapq.heappush(heap, (-scores[merged], left, right, ids[left], ids[right], merged))
+
+        for left in range(count - 1):
+            candidate(left, left + 1)
+        while heap:
+            _, left, right, left_id, right_id, merged = heapq.heappop(heap)
+            if not alive[left] or following[left] != right or ids[left] != left_id or ids[right] != right_id:
+                continue  # stale: one of the two pieces has merged since
+            ids[left] = merged
+            alive[right] = False
+            after = following[right]
+            following[left] = after
+            if after < count:
+                preceding[after] = left
+                candidate(left, after)
+            before = preceding[left]
+            if before >= 0:
+                candidate(before, left)
+        return [ids[index] for index in range(count) if alive[index]]
 
     def decode(self, ids: Sequence[int], previous: int | None = None) -> str:
         """Bytes of the pieces; a piece after BOS loses one leading space; ``<0xHH>`` is a raw byte."""
@@ -105,6 +158,10 @@ class HFTokenizer:
             raise TokenizerError(f"{path}: cannot be read as tokenizer.json ({exc}). Fix: save it with "
                                  "`tokenizer.save_pretrained(folder)`.") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # the longest piece, times 4: normalizers (NFC/NFKC) compose a few code points into one before the model
+        # sees them (a pre-composed Vietnamese vowel with two marks is three code points)
+        longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self.max_chars_per_token = _NORMALIZER_SLACK * max(1, longest)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
