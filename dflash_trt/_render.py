@@ -38,6 +38,9 @@ def inspection(info: dict[str, Any]) -> None:
     table = Table(title=Text(f"{info['kind']}: {info['path']}"), show_header=False)
     table.add_row("format", Text(str(info["format"])))
     table.add_row("parameters", f"{info['parameters']:,}")
+    if "weight_bytes" in info:
+        table.add_row("weights", f"{info['dtype']}, {info['weight_bytes'] / 2**30:.2f} GiB in "
+                                 f"{info['weight_files']} file(s)")
     if "tokenizer" in info:
         table.add_row("tokenizer", Text(str(info["tokenizer"])))
     for key, value in info["config"].items():

@@ -10,6 +10,7 @@ an unknown architecture (DFlash2 included) or any unmapped tensor is refused, ne
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from dflash_trt.builder.hf_config import parse_rope, rope_scaling_json
-from dflash_trt.builder.safe_files import read_json, read_tensors, safetensors_files
-from dflash_trt.builder.target_checkpoint import refuse_non_finite
+from dflash_trt.builder.safe_files import read_headers, read_json, safetensors_files
+from dflash_trt.builder.target_checkpoint import stream_weights
 from dflash_trt.config import DraftConfig
 from dflash_trt.errors import CheckpointFormatError, UnsupportedArchitectureError
 from dflash_trt.model.draft_head import DraftHead, build_target_layer_ids
@@ -138,32 +139,44 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
                                     f"(found {first.get('input')!r}). Fix: correct config.json.") from None
 
 
-def load_draft_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
-    """Load a z-lab DFlash drafter folder strictly into a ``DraftHead``."""
-    folder = Path(folder)
+def read_draft_config(folder: Path) -> DraftConfig:
+    """The drafter's ``config.json``, parsed and checked (refusing a file given as the folder)."""
     if not folder.is_dir():
         raise CheckpointFormatError(f"{folder}: not a folder; expected a DFlash drafter folder with config.json "
                                     "and model.safetensors. Fix: pass the folder, not a file.")
-    config = parse_draft_config(read_json(folder / "config.json", "drafter config.json"), str(folder / "config.json"))
-    tensors = read_tensors(safetensors_files(folder))
-    head = DraftHead(config)
+    return parse_draft_config(read_json(folder / "config.json", "drafter config.json"), str(folder / "config.json"))
+
+
+def check_draft_tensors(head: DraftHead, entries: Mapping[str, Any], source: str) -> None:
+    """Refuse unknown, missing or mis-shaped drafter tensors; ``entries`` need only ``.shape`` (headers do)."""
+    config = head.config
     expected = head.state_dict()
-    unknown = sorted(set(tensors) - set(expected))
-    missing = sorted(set(expected) - set(tensors))
+    unknown = sorted(set(entries) - set(expected))
+    missing = sorted(set(expected) - set(entries))
     if unknown or missing:
         raise UnsupportedArchitectureError(
-            f"{folder}: tensors do not match a {config.num_layers}-layer DFlashDraftModel with "
+            f"{source}: tensors do not match a {config.num_layers}-layer DFlashDraftModel with "
             f"{config.num_taps} taps: unknown {unknown[:6]}{'...' if len(unknown) > 6 else ''}, missing "
             f"{missing[:6]}{'...' if len(missing) > 6 else ''}; expected exactly the z-lab tensor names "
             "(docs/algorithm.md §5.2). Fix: use an unmodified z-lab-format drafter; DFlash2 and third-party extras are "
             "not supported.")
-    for name, tensor in tensors.items():
+    for name, tensor in entries.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointFormatError(f"{folder}: tensor `{name}` has shape {tuple(tensor.shape)}; expected "
+            raise CheckpointFormatError(f"{source}: tensor `{name}` has shape {tuple(tensor.shape)}; expected "
                                         f"{tuple(expected[name].shape)} from config.json. Fix: the config does "
                                         "not describe these weights; re-export the drafter.")
-    refuse_non_finite(tensors, str(folder))
-    head.load_state_dict({name: t.to(torch.float32) for name, t in tensors.items()}, strict=True)
+
+
+def load_draft_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
+    """Load a z-lab DFlash drafter folder strictly into a ``DraftHead``, streamed into ``dtype`` (headers checked
+    first, then one tensor at a time; no random initialisation). It has no embedding or LM head: it borrows the
+    target's."""
+    folder = Path(folder)
+    config = read_draft_config(folder)
+    entries = read_headers(safetensors_files(folder))
+    head = DraftHead.without_weights(config)
+    check_draft_tensors(head, entries, str(folder))
+    stream_weights(head, entries, dtype, str(folder))
     return head.to(dtype).eval()
 
 

@@ -1,14 +1,28 @@
-"""Describe a checkpoint or a pair without running it (``dflash-trt inspect``)."""
+"""Describe a checkpoint or a pair without running it (``dflash-trt inspect``).
+
+Reads ``config.json`` and the safetensors headers only (a llama2.c file: its 28-byte header and size), never a
+weight: every tensor the config calls for is checked by name and shape against the headers (missing and extra
+tensors named), and a pair is checked from the two configs. The values themselves (non-finite weights, a
+truncated file) are checked when a command loads them. A ModelOpt quantized folder is loaded and dequantized.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.builder.draft_checkpoint import parse_draft_config
-from dflash_trt.builder.load import load_draft, load_target, validate_pair
-from dflash_trt.builder.safe_files import read_json
-from dflash_trt.errors import DFlashError
+import torch
+
+from dflash_trt.builder.draft_checkpoint import check_draft_tensors, read_draft_config
+from dflash_trt.builder.load import load_target, validate_pair
+from dflash_trt.builder.safe_files import TensorEntry, is_torch_pickle, read_headers, read_json, refuse_pickle
+from dflash_trt.builder.safe_files import safetensors_files
+from dflash_trt.builder.target_checkpoint import (check_state_dict, expected_tensors, find_llama2c_model,
+                                                 hf_target_entries, read_hf_target_config, read_llama2c_header)
+from dflash_trt.config import DraftConfig, TargetConfig
+from dflash_trt.errors import CheckpointFormatError, DFlashError
+from dflash_trt.model.draft_head import DraftHead
+from dflash_trt.model.target import TargetModel
 
 
 def _is_drafter(path: Path) -> bool:
@@ -19,34 +33,81 @@ def _is_drafter(path: Path) -> bool:
     return any("DFlash" in name for name in architectures)
 
 
-def describe_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Kind, format and normalised config of a target or drafter checkpoint (loads it to check tensors)."""
+def _weights(entries: dict[str, TensorEntry]) -> dict[str, Any]:
+    """Stored dtype(s), bytes and file count of the tensors a model uses (from the headers)."""
+    dtypes = sorted({str(e.dtype).removeprefix("torch.") for e in entries.values()})
+    return {"dtype": dtypes[0] if len(dtypes) == 1 else "mixed: " + ", ".join(dtypes),
+            "weight_bytes": sum(e.nbytes for e in entries.values()),
+            "weight_files": len({e.file for e in entries.values()})}
+
+
+def _describe_drafter(path: Path) -> tuple[dict[str, Any], DraftConfig]:
+    config = read_draft_config(path)
+    entries = read_headers(safetensors_files(path))
+    with torch.device("meta"):  # the key table with shapes, no memory
+        check_draft_tensors(DraftHead(config), entries, str(path))
+    return ({"path": str(path), "kind": "drafter", "format": "z-lab DFlash (DFlashDraftModel)",
+             "parameters": sum(e.numel for e in entries.values()), **_weights(entries),
+             "config": config.model_dump(mode="json")}, config)
+
+
+def _target_info(path: Path, config: TargetConfig, source: str, tokenizer: str | None,
+                 weights: dict[str, Any], parameters: int) -> dict[str, Any]:
+    return {"path": str(path), "kind": "target", "format": f"{config.family} ({source})", "parameters": parameters,
+            "tokenizer": tokenizer, **weights, "config": config.model_dump(mode="json")}
+
+
+def _describe_target(path: Path) -> tuple[dict[str, Any], TargetConfig]:
+    if path.is_dir() and (path / "config.json").is_file():
+        if (path / "hf_quant_config.json").is_file():  # a ModelOpt export: its key table is the dequantizer's
+            model, tokenizer = load_target(path)
+            params = sum(p.numel() for p in model.parameters())
+            return _target_info(path, model.config, "HF safetensors",
+                                type(tokenizer).__name__ if tokenizer is not None else None, {}, params), model.config
+        config = read_hf_target_config(path)
+        entries = hf_target_entries(path)
+        with torch.device("meta"):
+            check_state_dict(expected_tensors(TargetModel(config)), entries, str(path))
+        # tokenizer.json is named, not parsed (a 151k-token vocabulary costs more than every header)
+        tokenizer = "HFTokenizer" if (path / "tokenizer.json").is_file() else None
+        return _target_info(path, config, "HF safetensors", tokenizer, _weights(entries),
+                            sum(e.numel for e in entries.values())), config
+    model_file = path if path.is_file() else find_llama2c_model(path) if path.is_dir() else None
+    if model_file is not None and (model_file.suffix in (".pt", ".pth") or is_torch_pickle(model_file)):
+        raise refuse_pickle(model_file)
+    if model_file is None or model_file.suffix != ".bin":
+        load_target(path)  # the loader's own refusal for what is neither an HF folder nor a llama2.c file
+        raise CheckpointFormatError(f"{path}: not a target checkpoint. Fix: pass an HF folder or a llama2.c .bin.")
+    config, shapes = read_llama2c_header(model_file)
+    tokenizer = next(("Llama2cTokenizer" for name in ("tok512.bin", "tokenizer.bin")
+                      if model_file.with_name(name).is_file()), None)
+    arrays = {name: shape for name, shape in shapes.items() if name != "legacy_rope"}
+    params = sum(int(torch.Size(shape).numel()) for shape in arrays.values())
+    weights = {"dtype": "float32", "weight_bytes": 4 * params, "weight_files": 1}
+    return _target_info(path, config, "llama2.c", tokenizer, weights, params), config
+
+
+def _describe(path: str | Path) -> tuple[dict[str, Any], TargetConfig | DraftConfig]:
     path = Path(path)
-    if _is_drafter(path):
-        parse_draft_config(read_json(path / "config.json", "config.json"), str(path / "config.json"))
-        head = load_draft(path)
-        params = sum(p.numel() for p in head.parameters())
-        return {"path": str(path), "kind": "drafter", "format": "z-lab DFlash (DFlashDraftModel)",
-                "parameters": params, "config": head.config.model_dump(mode="json")}
-    model, tokenizer = load_target(path)
-    params = sum(p.numel() for name, p in model.named_parameters())
-    source = "HF safetensors" if (path / "config.json").is_file() else "llama2.c"
-    return {"path": str(path), "kind": "target", "format": f"{model.config.family} ({source})", "parameters": params,
-            "tokenizer": type(tokenizer).__name__ if tokenizer is not None else None,
-            "config": model.config.model_dump(mode="json")}
+    return _describe_drafter(path) if _is_drafter(path) else _describe_target(path)
+
+
+def describe_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Kind, format, stored dtype and bytes, and normalised config of a target or drafter checkpoint, with every
+    tensor's name and shape checked against its config (headers only: no weight is read)."""
+    return _describe(path)[0]
 
 
 def describe_pair(target: str | Path, draft: str | Path) -> dict[str, Any]:
-    """Both descriptions plus ``compatible`` and, when not, the reason with its fix."""
-    target_info = describe_checkpoint(target)
-    draft_info = describe_checkpoint(draft)
+    """Both descriptions plus ``compatible`` and, when not, the reason with its fix (each checkpoint read once)."""
+    target_info, target_config = _describe(target)
+    draft_info, draft_config = _describe(draft)
     result = {"target": target_info, "draft": draft_info, "compatible": True, "reason": None}
     try:
         if target_info["kind"] != "target" or draft_info["kind"] != "drafter":
             raise DFlashError(f"expected a target then a drafter; got a {target_info['kind']} then a "
                               f"{draft_info['kind']}. Fix: `dflash-trt inspect TARGET --draft DRAFTER`.")
-        model, _ = load_target(target)
-        validate_pair(model.config, load_draft(draft).config, f"{target} + {draft}")
+        validate_pair(target_config, draft_config, f"{target} + {draft}")
     except DFlashError as exc:
         result.update(compatible=False, reason=str(exc))
     return result

@@ -4,18 +4,27 @@ Conversion is an explicit key table with a shape check per tensor (docs/style.md
 RoPE pairs interleaved ``(2i, 2i+1)``; we permute the rows of ``wq``/``wk`` inside every head
 to rotate-half order ``0,2,4,..,1,3,5,..`` so one attention implementation serves every target
 (docs/assets.md §2.4).
+
+Loading streams (``load_hf_target``): the safetensors headers are checked against the key table of a model built
+``without_weights`` (``meta`` parameters, no random initialisation), then each tensor is read, checked finite and
+converted to the dtype asked for, one at a time, and becomes the model's parameter as it is. Peak memory is the
+model in that dtype plus one tensor.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from dflash_trt.builder.hf_config import parse_target_config
-from dflash_trt.builder.safe_files import is_torch_pickle, read_json, read_tensors, refuse_pickle, safetensors_files
+from dflash_trt.builder.safe_files import (TensorEntry, check_complete, is_torch_pickle, read_headers, read_json,
+                                           read_tensor, refuse_pickle, safetensors_files)
 from dflash_trt.config import RopeConfig, TargetConfig
 from dflash_trt.errors import CheckpointFormatError
 from dflash_trt.model.target import TargetModel
@@ -27,8 +36,18 @@ _LLAMA2C_NORM_EPS = 1e-5
 _IGNORED_HF_KEYS = ("rotary_emb.inv_freq",)
 
 
-def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: str) -> None:
-    """Refuse unknown, missing or mis-shaped tensors (the explicit key table's shape check, docs/style.md R8)."""
+class ShapedLike(Protocol):
+    """Anything with a ``shape``: a tensor, a ``meta`` tensor or a safetensors header entry."""
+
+    @property
+    def shape(self) -> tuple[int, ...] | torch.Size: ...
+
+
+def check_state_dict(expected: Mapping[str, ShapedLike], state: Mapping[str, ShapedLike], source: str) -> None:
+    """Refuse unknown, missing or mis-shaped tensors (the explicit key table's shape check, docs/style.md R8).
+
+    Both sides only need ``.shape``: tensors, ``meta`` tensors (a model built ``without_weights``) or the
+    ``TensorEntry`` headers of a safetensors file, so a checkpoint is checked before any of its data is read."""
     unknown = sorted(set(state) - set(expected))
     missing = sorted(set(expected) - set(state))
     if unknown or missing:
@@ -40,42 +59,109 @@ def check_state_dict(expected: dict[str, torch.Tensor], state: dict[str, torch.T
                                         f"{tuple(expected[name].shape)} from config.json. Fix: re-export the model.")
 
 
-def refuse_non_finite(state: dict[str, torch.Tensor], source: str) -> None:
+_FINITE_CHUNK = 1 << 24
+"""Elements checked at once by :func:`refuse_non_finite` (its boolean scratch stays at 16 MiB per tensor)."""
+
+
+def _non_finite_count(tensor: torch.Tensor) -> int:
+    flat = tensor.reshape(-1)
+    bad = 0
+    for chunk in flat.split(_FINITE_CHUNK):
+        finite = torch.isfinite(chunk.float() if chunk.element_size() == 1 else chunk)
+        if not bool(finite.all()):
+            bad += int(finite.numel() - finite.sum())
+    return bad
+
+
+def refuse_non_finite(state: Mapping[str, torch.Tensor], source: str) -> None:
     """Refuse a floating-point tensor holding NaN or inf: one such weight turns every output it touches into NaN,
     which fails requests far from the cause (a sampled draw from NaN probabilities)."""
     for name, tensor in state.items():
         if not tensor.is_floating_point():  # packed integer payloads (NVFP4) are checked through their scales
             continue
-        finite = torch.isfinite(tensor.float() if tensor.element_size() == 1 else tensor)
-        if not bool(finite.all()):
-            bad = int(finite.numel() - finite.sum())
+        bad = _non_finite_count(tensor)
+        if bad:
             raise CheckpointFormatError(f"{source}: tensor `{name}` holds {bad} non-finite value(s) (NaN or inf) "
-                                        f"of {finite.numel()}; expected finite weights. Fix: re-export the "
+                                        f"of {tensor.numel()}; expected finite weights. Fix: re-export the "
                                         "checkpoint from a healthy training run (or retrain it).")
 
 
-def load_checked(model: TargetModel, state: dict[str, torch.Tensor], source: str) -> None:
-    """``load_state_dict`` after :func:`check_state_dict` and :func:`refuse_non_finite` (a tied ``lm_head`` is not
-    expected in the file)."""
+def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint must hold for ``model`` (its ``state_dict``; a tied ``lm_head`` is the embedding
+    and is not expected in the file). Works on a model built ``without_weights`` (``meta`` tensors)."""
     expected = model.state_dict()
-    if model.config.tie_word_embeddings:
+    if getattr(model.config, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)
-    check_state_dict(expected, state, source)
+    return expected
+
+
+def assign_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Make ``state``'s tensors the parameters of ``model`` (no copy; a ``meta`` model gets real ones), re-tie a
+    tied ``lm_head`` to the embedding, and refuse a parameter left without data."""
+    meta = any(p.is_meta for p in model.parameters())
+    model.load_state_dict(state, strict=False, assign=meta)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.embed_tokens.weight  # one tensor, as in the checkpoint
+    empty = [name for name, p in model.named_parameters() if p.is_meta]
+    if empty:
+        raise CheckpointFormatError(f"{source}: no weights for {empty[:6]}; expected every tensor of the key "
+                                    "table. Fix: use the config.json saved with these weights.")
+
+
+def load_checked(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """``load_state_dict`` after :func:`check_state_dict` and :func:`refuse_non_finite` (a tied ``lm_head`` is not
+    expected in the file). On a model built ``without_weights`` the tensors become its parameters as they are."""
+    check_state_dict(expected_tensors(model), state, source)
     refuse_non_finite(state, source)
-    model.load_state_dict(state, strict=False)  # lm_head shares the embedding when tied
+    assign_weights(model, state, source)
+
+
+def stream_weights(model: nn.Module, entries: Mapping[str, TensorEntry], dtype: torch.dtype, source: str) -> None:
+    """Read ``entries`` (already checked against the key table) one tensor at a time, each converted to ``dtype``
+    and checked finite, and make them ``model``'s parameters: the model plus one tensor in flight, never a
+    second copy of the checkpoint nor a float32 copy of a bf16 one unless ``dtype`` is float32."""
+    check_complete(dict(entries))
+    state: dict[str, torch.Tensor] = {}
+    for name, entry in entries.items():
+        if not entry.dtype.is_floating_point:
+            raise CheckpointFormatError(f"{source}: tensor `{name}` is stored as {entry.dtype}; expected floating-"
+                                        "point weights (bf16, fp16 or fp32). Fix: re-export the checkpoint.")
+        stored = read_tensor(entry)
+        refuse_non_finite({name: stored}, source)
+        tensor = stored.to(dtype)
+        del stored
+        if dtype.itemsize < entry.dtype.itemsize or (dtype == torch.float16 and entry.dtype != dtype):
+            bad = _non_finite_count(tensor)  # a narrower range (float16) can overflow to inf
+            if bad:
+                raise CheckpointFormatError(f"{source}: tensor `{name}` has {bad} value(s) beyond the range of "
+                                            f"{dtype} (stored as {entry.dtype}). Fix: load it in "
+                                            f"{entry.dtype} or float32 (--dtype).")
+        state[name] = tensor
+    assign_weights(model, state, source)
+
+
+def hf_target_entries(folder: Path) -> dict[str, TensorEntry]:
+    """The target tensors of an HF folder under our names (``model.`` prefix stripped, RoPE caches skipped), from
+    the safetensors headers only."""
+    entries: dict[str, TensorEntry] = {}
+    for name, entry in read_headers(safetensors_files(folder)).items():
+        if not name.endswith(_IGNORED_HF_KEYS):
+            entries[name.removeprefix("model.")] = entry
+    return entries
+
+
+def read_hf_target_config(folder: Path) -> TargetConfig:
+    return parse_target_config(read_json(folder / "config.json", "target config.json"), str(folder / "config.json"))
 
 
 def load_hf_target(folder: Path, dtype: torch.dtype) -> tuple[TargetModel, Tokenizer | None]:
-    """A transformers ``save_pretrained`` folder (single or sharded safetensors, optional tokenizer.json)."""
-    config = parse_target_config(read_json(folder / "config.json", "target config.json"), str(folder / "config.json"))
-    raw = read_tensors(safetensors_files(folder))
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in raw.items():
-        if name.endswith(_IGNORED_HF_KEYS):
-            continue
-        state[name.removeprefix("model.")] = tensor.to(torch.float32)
-    model = TargetModel(config)
-    load_checked(model, state, str(folder))
+    """A transformers ``save_pretrained`` folder (single or sharded safetensors, optional tokenizer.json), streamed
+    into ``dtype``: headers checked against the key table first, then one tensor at a time."""
+    config = read_hf_target_config(folder)
+    entries = hf_target_entries(folder)
+    model = TargetModel.without_weights(config)
+    check_state_dict(expected_tensors(model), entries, str(folder))
+    stream_weights(model, entries, dtype, str(folder))
     tokenizer_file = folder / "tokenizer.json"
     return model.to(dtype).eval(), (HFTokenizer(tokenizer_file) if tokenizer_file.is_file() else None)
 
@@ -87,13 +173,16 @@ def _interleaved_to_rotate_half(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, head_size, -1)[:, order].reshape(weight.shape)
 
 
-def read_llama2c(path: Path) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
-    """Parse a llama2.c legacy (version 0) export: 7 int32 header fields then float32 arrays."""
-    data = path.read_bytes()
-    if len(data) < _LLAMA2C_HEADER.size:
-        raise CheckpointFormatError(f"{path}: {len(data)} bytes; expected a llama2.c header of 28 bytes or more. "
+def read_llama2c_header(path: Path) -> tuple[TargetConfig, dict[str, tuple[int, ...]]]:
+    """The config and array shapes of a llama2.c legacy (version 0) export, from its 28-byte header and its size
+    alone (no weight is read): 7 int32 header fields then float32 arrays."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        head = handle.read(_LLAMA2C_HEADER.size)
+    if len(head) < _LLAMA2C_HEADER.size:
+        raise CheckpointFormatError(f"{path}: {size} bytes; expected a llama2.c header of 28 bytes or more. "
                                     "Fix: the file is truncated or not a llama2.c version-0 export.")
-    dim, hidden, layers, heads, kv_heads, vocab, seq_len = _LLAMA2C_HEADER.unpack_from(data)
+    dim, hidden, layers, heads, kv_heads, vocab, seq_len = _LLAMA2C_HEADER.unpack(head)
     tied = vocab > 0
     vocab = abs(vocab)
     if min(dim, hidden, layers, heads, kv_heads, vocab, seq_len) <= 0 or dim % heads or heads % kv_heads:
@@ -111,15 +200,9 @@ def read_llama2c(path: Path) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
     if not tied:
         shapes["wcls"] = (vocab, dim)
     expected_bytes = _LLAMA2C_HEADER.size + 4 * sum(int(np.prod(s)) for s in shapes.values())
-    if len(data) != expected_bytes:
-        raise CheckpointFormatError(f"{path}: file is {len(data)} bytes; the llama2.c header promises "
+    if size != expected_bytes:
+        raise CheckpointFormatError(f"{path}: file is {size} bytes; the llama2.c header promises "
                                     f"{expected_bytes}. Fix: the file is truncated or not a version-0 export.")
-    arrays: dict[str, np.ndarray] = {}
-    offset = _LLAMA2C_HEADER.size
-    for name, shape in shapes.items():
-        count = int(np.prod(shape))
-        arrays[name] = np.frombuffer(data, dtype="<f4", count=count, offset=offset).reshape(shape)
-        offset += 4 * count
     config = TargetConfig(
         family="llama", vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_size, rms_norm_eps=_LLAMA2C_NORM_EPS,
@@ -128,6 +211,22 @@ def read_llama2c(path: Path) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
         # llama2.c's sampler stops when the model starts a new story (BOS); EOS is kept too
         eos_token_ids=(Llama2cTokenizer.bos_token_id, Llama2cTokenizer.eos_token_id),
     )
+    return config, shapes
+
+
+def read_llama2c(path: Path) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
+    """Parse a llama2.c legacy (version 0) export into its config and float32 tensors (under our names, RoPE rows
+    in rotate-half order); the file is mapped and each array copied out once."""
+    config, shapes = read_llama2c_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    layers, heads, kv_heads = config.num_layers, config.num_heads, config.num_kv_heads
+    tied = config.tie_word_embeddings
+    arrays: dict[str, np.ndarray] = {}
+    offset = _LLAMA2C_HEADER.size
+    for name, shape in shapes.items():
+        count = int(np.prod(shape))
+        arrays[name] = np.frombuffer(data, dtype="<f4", count=count, offset=offset).reshape(shape)
+        offset += 4 * count
     state = {"embed_tokens.weight": arrays["token_embedding"], "norm.weight": arrays["rms_final"]}
     if not tied:
         state["lm_head.weight"] = arrays["wcls"]
@@ -152,7 +251,7 @@ def load_llama2c_target(path: Path, dtype: torch.dtype) -> tuple[TargetModel, To
     if is_torch_pickle(path):
         raise refuse_pickle(path)
     config, state = read_llama2c(path)
-    model = TargetModel(config)
+    model = TargetModel.without_weights(config)
     load_checked(model, state, str(path))
     tokenizer = next((Llama2cTokenizer(p) for p in (path.with_name("tok512.bin"), path.with_name("tokenizer.bin"))
                       if p.is_file()), None)

@@ -203,6 +203,15 @@ class DraftHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
 
+    @classmethod
+    def without_weights(cls, cfg: DraftConfig, max_positions: int | None = None) -> DraftHead:
+        """The module tree with every parameter on the ``meta`` device (no memory, no random initialisation) and a
+        real RoPE table; ``builder/draft_checkpoint.py`` assigns each parameter its loaded tensor."""
+        with torch.device("meta"):
+            head = cls(cfg, max_positions)
+        head.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+        return head
+
     def new_cache(self, max_batch: int, max_len: int) -> StaticKVCache:
         cfg = self.config
         weight = self.fc.weight

@@ -97,6 +97,17 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
 
+    @classmethod
+    def without_weights(cls, cfg: TargetConfig, max_positions: int | None = None) -> TargetModel:
+        """The module tree with every parameter on the ``meta`` device: no memory and no random initialisation
+        (which took 29.5 s of a 45 s load at 1.7B parameters). Only the RoPE table is real (computed, not loaded).
+        A loader then gives each parameter its tensor, in its final dtype, with ``load_state_dict(assign=True)``
+        (``builder/target_checkpoint.py``); ``state_dict()`` already names every tensor with its shape."""
+        with torch.device("meta"):
+            model = cls(cfg, max_positions)
+        model.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+        return model
+
     def new_cache(self, max_batch: int, max_len: int) -> StaticKVCache:
         cfg = self.config
         dtype = self.embed_tokens.weight.dtype
