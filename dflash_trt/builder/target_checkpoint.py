@@ -64,12 +64,17 @@ _FINITE_CHUNK = 1 << 24
 
 
 def _non_finite_count(tensor: torch.Tensor) -> int:
-    flat = tensor.reshape(-1)
+    """NaN and inf entries of a floating-point tensor. Each chunk's min and max (one pass, no scratch: a NaN
+    propagates into both, an inf is one of them) clear it; only a chunk that fails is counted exactly
+    (``torch.isfinite`` allocates several bytes per element and runs ~10x slower)."""
     bad = 0
-    for chunk in flat.split(_FINITE_CHUNK):
-        finite = torch.isfinite(chunk.float() if chunk.element_size() == 1 else chunk)
-        if not bool(finite.all()):
-            bad += int(finite.numel() - finite.sum())
+    for chunk in tensor.reshape(-1).split(_FINITE_CHUNK):
+        if chunk.element_size() == 1:  # float8: no min/max kernels
+            chunk = chunk.float()
+        low, high = torch.aminmax(chunk)
+        if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+            continue
+        bad += int(chunk.numel() - torch.isfinite(chunk).sum())
     return bad
 
 
