@@ -85,7 +85,10 @@ Examples:
 @click.option("--speculation", type=click.Choice(["static", "auto"]), default="static", show_default=True,
               help="static: always draft block_len - 1; auto: the cost-model policy (0 = plain where drafting "
                    "loses).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="float32",
+              show_default=True, help="Weights and compute dtype of the checkpoints (torch backend); they load "
+              "straight into it. auto: the checkpoint's own (config.json torch_dtype, else its stored tensors). "
+              "The default stays float32: greedy DFlash equals plain decoding bit for bit there on this backend.")
 @click.option("--device", default="cpu", show_default=True, help="torch backend device: cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--stream", is_flag=True, help="Print text as each cycle is verified.")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.builder.draft_checkpoint import load_draft_checkpoint
-from dflash_trt.builder.safe_files import is_torch_pickle, refuse_pickle
+from dflash_trt.builder.safe_files import is_torch_pickle, read_headers, read_json, refuse_pickle, safetensors_files
 from dflash_trt.builder.target_checkpoint import (find_llama2c_model, load_hf_target, load_llama2c_target,
                                                  refuse_non_finite)
 from dflash_trt.config import DraftConfig, RopeConfig, TargetConfig
@@ -24,6 +24,8 @@ from dflash_trt.model.target import TargetModel
 from dflash_trt.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+"""What ``--dtype`` accepts: ``auto`` is the checkpoint's own dtype (:func:`checkpoint_dtype`)."""
 
 
 def embedded_target_path() -> Path:
@@ -36,10 +38,35 @@ def embedded_draft_path() -> Path:
     return Path(str(resources.files("dflash_trt") / "assets" / "stories260K-dflash"))
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, target: str | Path | None = None) -> torch.dtype:
+    """``name`` as a torch dtype; ``auto`` is ``target``'s stored dtype (the embedded target's when None)."""
+    if name == "auto":
+        return DTYPES[checkpoint_dtype(target if target is not None else embedded_target_path())]
     if name not in DTYPES:
-        raise CheckpointFormatError(f"dtype is {name!r}; expected one of {sorted(DTYPES)}. Fix: pass --dtype float32.")
+        raise CheckpointFormatError(f"dtype is {name!r}; expected one of {list(DTYPE_CHOICES)}. Fix: pass --dtype "
+                                    "float32 (or auto: the checkpoint's).")
     return DTYPES[name]
+
+
+def checkpoint_dtype(path: str | Path) -> str:
+    """The dtype a target checkpoint stores its weights in: ``config.json``'s ``torch_dtype`` (``dtype`` in
+    transformers 5), else the floating dtype holding most bytes in its safetensors headers; llama2.c files hold
+    float32. Reads no weight."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    if (folder / "config.json").is_file() and path.is_dir():
+        raw = read_json(folder / "config.json", "target config.json")
+        for key in ("torch_dtype", "dtype"):
+            if raw.get(key) in DTYPES:
+                return raw[key]
+        stored: dict[str, int] = {}
+        for entry in read_headers(safetensors_files(folder)).values():
+            name = str(entry.dtype).removeprefix("torch.")
+            if name in DTYPES:
+                stored[name] = stored.get(name, 0) + entry.nbytes
+        if stored:
+            return max(stored, key=stored.__getitem__)
+    return "float32"
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[TargetModel, Tokenizer | None]:
@@ -112,9 +139,10 @@ def _rope_text(rope: RopeConfig) -> str:
 
 def load_pair(target: str | Path | None = None, draft: str | Path | None = None, *, dtype: str = "float32",
               use_draft: bool = True) -> ModelPair:
-    """Load and validate a pair; ``None`` paths mean the embedded stories260K pair."""
-    torch_dtype = resolve_dtype(dtype)
+    """Load and validate a pair; ``None`` paths mean the embedded stories260K pair. ``dtype`` is one of
+    :data:`DTYPE_CHOICES` (``auto``: the target checkpoint's); both models load straight into it."""
     target_path = Path(target) if target is not None else embedded_target_path()
+    torch_dtype = resolve_dtype(dtype, target_path)
     if draft is None and target is None:
         draft = embedded_draft_path()
     target_model, tokenizer = load_target(target_path, torch_dtype)
