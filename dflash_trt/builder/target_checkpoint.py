@@ -162,13 +162,20 @@ def read_hf_target_config(folder: Path) -> TargetConfig:
 def load_hf_target(folder: Path, dtype: torch.dtype) -> tuple[TargetModel, Tokenizer | None]:
     """A transformers ``save_pretrained`` folder (single or sharded safetensors, optional tokenizer.json), streamed
     into ``dtype``: headers checked against the key table first, then one tensor at a time."""
-    config = read_hf_target_config(folder)
-    entries = hf_target_entries(folder)
-    model = TargetModel.without_weights(config)
-    check_state_dict(expected_tensors(model), entries, str(folder))
-    stream_weights(model, entries, dtype, str(folder))
+    model = stream_target(read_hf_target_config(folder), hf_target_entries(folder), dtype, str(folder))
     tokenizer_file = folder / "tokenizer.json"
-    return model.to(dtype).eval(), (HFTokenizer(tokenizer_file) if tokenizer_file.is_file() else None)
+    return model, (HFTokenizer(tokenizer_file) if tokenizer_file.is_file() else None)
+
+
+def stream_target(config: TargetConfig, entries: Mapping[str, TensorEntry], dtype: torch.dtype,
+                  source: str) -> TargetModel:
+    """A ``TargetModel`` for ``config`` from safetensors ``entries`` under our names (``read_headers`` of an engine's
+    ``target.safetensors``, or ``hf_target_entries``): key table and shapes checked on the headers, then streamed
+    into ``dtype`` one tensor at a time. Returns it in eval mode."""
+    model = TargetModel.without_weights(config)
+    check_state_dict(expected_tensors(model), entries, source)
+    stream_weights(model, entries, dtype, source)
+    return model.to(dtype).eval()
 
 
 def _interleaved_to_rotate_half(weight: np.ndarray, heads: int) -> np.ndarray:
