@@ -10,7 +10,7 @@ creation flag, TensorRT 11 and RTX have no other mode (docs/serving-notes.md §0
 ``build_plans`` is the engine step: on a GPU machine with TensorRT it builds ``tensorrt/target.plan``
 and ``tensorrt/draft.plan`` (the plugin graph with ``libdflash_plugins.so``, or the standard-op graph
 when the plugin cannot be built) and stamps SM, TensorRT version and plugin ABI; elsewhere it checks
-the plugin-free graphs with TensorRT-RTX when installed and reports what is pending.
+the plugin-free graphs with TensorRT-RTX when installed and states, in the checks, what it could not build.
 """
 
 from __future__ import annotations
@@ -162,7 +162,9 @@ def _gpu_build(work: Path, pair, limits: GraphLimits, gpu) -> tuple[Any, dict[st
 
 
 def build_plans(work: Path, pair, limits: GraphLimits, command: str) -> tuple[Any, dict[str, str], list[str]]:
-    """The engine's TensorRT step. Returns (TensorRTStamp or None, checks, pending)."""
+    """The engine's TensorRT step. Returns (TensorRTStamp or None, checks, pending). Without a GPU the plans are
+    not built and the checks say so (with the command that builds them); nothing is pending: the folder is complete
+    for what this machine can run."""
     from dflash_trt.plugins.tensorrt.device import gpu_info, needs_message, tensorrt_version
 
     gpu, version = gpu_info(), tensorrt_version()
@@ -177,6 +179,7 @@ def build_plans(work: Path, pair, limits: GraphLimits, command: str) -> tuple[An
     source = work / "tensorrt" / "csrc"
     shutil.copytree(Path(__file__).parents[1] / "plugins" / "tensorrt" / "csrc", source)
     reason = needs_message("building TensorRT plans (tensorrt/target.plan, tensorrt/draft.plan)")
-    pending = [f"{reason}; the ONNX graphs and the plugin sources (tensorrt/csrc) are written. Fix: run `{command}` "
-               "on a machine with an NVIDIA GPU and TensorRT 10.x/11.x"]
-    return None, checks, pending
+    checks["tensorrt_plans"] = (f"not built on this machine: {reason}; the ONNX graphs and the plugin sources "
+                                f"(tensorrt/csrc) are written. On a machine with an NVIDIA GPU and TensorRT 10.x/11.x: "
+                                f"`{command}`")
+    return None, checks, []

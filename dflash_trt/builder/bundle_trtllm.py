@@ -9,8 +9,10 @@ TensorRT-LLM serves DFlash natively on its PyTorch backend (``DFlashDecodingConf
   ``tensor_parallel_size``/``pipeline_parallel_size`` (``--tp``/``--pp``) and ``speculative_config:
   {decoding_type: DFlash, max_draft_len <= block_len-1, speculative_model, mask_token_id, target_layer_ids}``,
   plus any TensorRT-LLM keys the user adds (``--trtllm-options FILE.yaml``, e.g. ``cuda_graph_config``);
-* ``trtllm/target/``: the target as a Hugging Face Llama/Qwen3 folder (llama2.c targets are converted);
-* ``trtllm/draft/``: the drafter in the z-lab format TensorRT-LLM reads.
+* ``trtllm/target/``: the target as a Hugging Face Llama/Qwen3 folder: the checkpoint's own files, hard-linked (no
+  second copy of the weights; copied only where the file system cannot link), or the build's ModelOpt FP8/NVFP4
+  export with ``--quant``; llama2.c targets are converted;
+* ``trtllm/draft/``: the drafter folder in the z-lab format TensorRT-LLM reads, hard-linked the same way.
 
 The YAML is validated against ``LlmApiOptions``: the keys this bundle writes are checked strictly (field
 names and rules of TensorRT-LLM's LLM API reference, 1.3.0rc27 / 1.4.0rc1, including its ``draft_len_schedule``
@@ -21,7 +23,9 @@ rules); other top-level keys belong to TensorRT-LLM, which validates them itself
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -207,12 +211,18 @@ def validate_options(options: dict[str, Any], drafter_block_size: int, source: s
 
 
 def check_parallelism(pair, tp: int, pp: int) -> None:
+    """Refuse a tensor/pipeline split the models cannot take (see :func:`check_split`); ``pair`` has ``.target.config``
+    and ``.draft`` (None or with ``.config``)."""
+    check_split(pair.target.config, pair.draft.config if pair.draft is not None else None, tp, pp)
+
+
+def check_split(target, draft, tp: int, pp: int) -> None:
     """Refuse a tensor/pipeline split the models cannot take: heads and KV heads (target and drafter) must
     divide by ``tp``, the target's layers by ``pp``."""
-    models = [("target", pair.target.config)] + ([("drafter", pair.draft.config)] if pair.draft is not None else [])
+    models = [("target", target)] + ([("drafter", draft)] if draft is not None else [])
     counts = [("--tp", tp, f"the {role}'s {name}", count) for role, cfg in models
               for name, count in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads))]
-    counts.append(("--pp", pp, "the target's num_layers", pair.target.config.num_layers))
+    counts.append(("--pp", pp, "the target's num_layers", target.num_layers))
     for flag, ranks, what, count in counts:
         if count % ranks:
             divisors = [d for d in range(1, count + 1) if count % d == 0]
@@ -244,51 +254,99 @@ def merge_user_options(options: dict[str, Any], extra: dict[str, Any], source: s
     return merged
 
 
-def _write_hf_target(pair, folder: Path, tokenizer: tuple[str, Path] | None) -> list[str]:
+_CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".jinja", ".tiktoken")
+"""Files of an HF folder a bundle takes (configs, weights, tokenizer); pickles and anything else stay behind."""
+
+
+@dataclass(frozen=True)
+class BundleSources:
+    """What the bundle is made of: the target checkpoint (an HF folder, or a llama2.c model converted here), the
+    drafter folder, and the quantized export folder when the build quantized the target."""
+
+    target: Path
+    draft: Path
+    target_config: Any
+    draft_config: Any
+    quantized: Path | None = None
+
+
+def _place(source: Path, destination: Path) -> str:
+    """Hard-link ``source`` at ``destination`` (same bytes, no second copy); a copy where the file system cannot
+    link (another device, a file system without links). Returns "linked" or "copied"."""
+    try:
+        os.link(source, destination)
+        return "linked"
+    except OSError:
+        shutil.copyfile(source, destination)
+        return "copied"
+
+
+def _place_folder(source: Path, destination: Path, skip: tuple[str, ...] = ()) -> dict[str, int]:
+    """The checkpoint files of ``source`` at ``destination`` (:func:`_place` each). Returns counts per outcome."""
+    destination.mkdir(parents=True, exist_ok=True)
+    outcomes: dict[str, int] = {}
+    for file in sorted(p for p in source.iterdir() if p.is_file() and not p.name.startswith(".")):
+        if file.suffix not in _CHECKPOINT_SUFFIXES or file.name in skip:
+            continue
+        outcome = _place(file, destination / file.name)
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return outcomes
+
+
+def _describe(outcomes: dict[str, int], what: str, source: Path) -> str:
+    parts = [f"{count} file(s) {outcome}" for outcome, count in sorted(outcomes.items())]
+    return f"{what}: {', '.join(parts) or 'no files'} from {source} (not rewritten)"
+
+
+def _write_llama2c_target(source: Path, config, folder: Path) -> None:
+    """A llama2.c target has no Hugging Face form: write one (config.json + model.safetensors, as stored, float32).
+    llama2.c models are small (the format has no sharding)."""
     from safetensors.torch import save_file
 
+    from dflash_trt.builder.target_checkpoint import read_llama2c
+
     folder.mkdir(parents=True)
-    cfg = pair.target.config
-    (folder / "config.json").write_text(json.dumps(target_config_json(cfg), indent=2) + "\n")
-    state = {f"model.{name}": t.detach().float().contiguous() for name, t in pair.target.state_dict().items()
-             if name != "lm_head.weight"}
-    if not cfg.tie_word_embeddings:
-        state["lm_head.weight"] = pair.target.lm_head.weight.detach().float().contiguous()
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None and tokenizer[0] == "hf":
-        shutil.copyfile(tokenizer[1], folder / "tokenizer.json")
-        return []
-    return ["trtllm/target has no tokenizer.json (llama2.c tokenizers have no Hugging Face form): pass "
-            "`--tokenizer DIR` to trtllm-serve or use token-id prompts"]
+    (folder / "config.json").write_text(json.dumps(target_config_json(config), indent=2) + "\n")
+    _, state = read_llama2c(source)
+    tensors = {("" if name == "lm_head.weight" else "model.") + name: t.contiguous() for name, t in state.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer,
+def write_bundle(work: Path, final: Path, sources: BundleSources, quantization, limits, tokenizer,
                  trtllm: TrtLlmBuildOptions | None = None) -> tuple[dict[str, str], list[str]]:
     """Write ``trtllm/`` into ``work`` (paths in the YAML point at ``final``, the folder after the rename).
 
-    Returns (checks, pending).
+    No weight is read unless it is rewritten: an HF target and the drafter are hard-linked from their folders (a
+    copy where linking fails), a quantized target is the build's ModelOpt export (linked from ``quant/target``), a
+    llama2.c target is converted. Returns (checks, pending): what was checked, and what this machine could not
+    write (nothing, today: what it cannot check without a GPU is stated in the checks).
     """
-    from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
     from dflash_trt.plugins.tensorrt.device import gpu_info
 
-    if pair.draft is None:
-        raise EngineFormatError("--backend trtllm needs a drafter; got none. Fix: pass --draft DIR.")
     trtllm = trtllm or TrtLlmBuildOptions()
     tp, pp = trtllm.tensor_parallel_size, trtllm.pipeline_parallel_size
-    check_parallelism(pair, tp, pp)
-    draft = pair.draft.config
+    check_split(sources.target_config, sources.draft_config, tp, pp)
+    draft = sources.draft_config
     block_len = min(limits.block_len, draft.block_size)
     bundle = work / "trtllm"
-    quantized = work / "quant" / "target"
-    if quantization.mode != "none" and quantized.is_dir():  # the ModelOpt export TRT-LLM reads natively
-        shutil.copytree(quantized, bundle / "target")
-        notes = [] if tokenizer is not None and tokenizer[0] == "hf" else [
-            "trtllm/target has no tokenizer.json: pass `--tokenizer DIR` to trtllm-serve or use token-id prompts"]
-        if tokenizer is not None and tokenizer[0] == "hf":
-            shutil.copyfile(tokenizer[1], bundle / "target" / "tokenizer.json")
+    checks: dict[str, str] = {}
+    if sources.quantized is not None:  # the ModelOpt export TRT-LLM reads natively
+        outcomes = _place_folder(sources.quantized, bundle / "target")
+        checks["trtllm_target"] = _describe(outcomes, f"quantized target ({quantization.quant_algo}, ModelOpt format)",
+                                            sources.quantized)
+    elif sources.target.is_dir() and (sources.target / "config.json").is_file():
+        outcomes = _place_folder(sources.target, bundle / "target")
+        checks["trtllm_target"] = _describe(outcomes, "target", sources.target)
     else:
-        notes = _write_hf_target(pair, bundle / "target", tokenizer)
-    save_draft_checkpoint(pair.draft, bundle / "draft")
+        _write_llama2c_target(sources.target, sources.target_config, bundle / "target")
+        checks["trtllm_target"] = f"llama2.c target {sources.target} converted to a Hugging Face folder (float32)"
+    if tokenizer is not None and tokenizer[0] == "hf":
+        if not (bundle / "target" / "tokenizer.json").exists():
+            _place(tokenizer[1], bundle / "target" / "tokenizer.json")
+    else:
+        checks["trtllm_tokenizer"] = ("trtllm/target has no tokenizer.json (llama2.c tokenizers have no Hugging Face "
+                                      "form): pass `--tokenizer DIR` to trtllm-serve or use token-id prompts")
+    checks["trtllm_draft"] = _describe(_place_folder(sources.draft, bundle / "draft"), "drafter", sources.draft)
     options = {
         "max_batch_size": limits.max_batch_size,
         "max_seq_len": limits.max_seq_len,
@@ -316,13 +374,12 @@ def write_bundle(work: Path, final: Path, pair, quantization, limits, tokenizer,
               f"# (TensorRT-LLM >= {MIN_TRTLLM}, PyTorch backend; max_draft_len <= block_size - 1)\n")
     (bundle / OPTIONS_FILE).write_text(header + yaml.safe_dump(options, sort_keys=False))
     passed = sorted(LlmApiOptions.model_validate(options).user_keys)
-    checks = {"trtllm_options": f"validated against the documented DFlashDecodingConfig/TorchLlmArgs fields "
+    checks |= {"trtllm_options": f"validated against the documented DFlashDecodingConfig/TorchLlmArgs fields "
                                 f"(TensorRT-LLM {MIN_TRTLLM}); tp={tp}, pp={pp}"
                                 + (f"; passed through unchecked: {', '.join(passed)}" if passed else "")}
-    pending = list(notes)
     if gpu_info() is None:
-        pending.append("serving the bundle needs an NVIDIA GPU and TensorRT-LLM >= "
-                       f"{MIN_TRTLLM} (tensorrt_llm cannot be installed on CPU machines); the bundle is written and "
-                       "schema-checked. Fix: on a GPU machine run `trtllm-serve <trtllm/target> --config "
-                       f"<trtllm/{OPTIONS_FILE}>`")
-    return checks, pending
+        checks["trtllm_serving"] = (f"not checked on this machine: loading and serving the bundle needs an NVIDIA GPU "
+                                    f"and TensorRT-LLM >= {MIN_TRTLLM} (tensorrt_llm cannot be installed on CPU "
+                                    "machines); the bundle is written and schema-checked. On a GPU machine: "
+                                    f"`trtllm-serve <trtllm/target> --config <trtllm/{OPTIONS_FILE}>`")
+    return checks, []

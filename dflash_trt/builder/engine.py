@@ -43,7 +43,7 @@ from dflash_trt.builder.manifest import (
     FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, Manifest, QuantName,
     Quantization, SourceRecord, TokenizerRecord, sha256_file, tool_versions, write_manifest)
 from dflash_trt.builder.staging import STAGING_MARKER, check_replaceable, exit_on_termination, publish, stage
-from dflash_trt.errors import ConfigError, RequestError, validation_error
+from dflash_trt.errors import ConfigError, EngineFormatError, RequestError, validation_error
 
 Progress = Callable[[str, str, float | None], None]
 """``progress(event, step, seconds)``: event is "start" or "done"; seconds is set on "done"."""
@@ -216,35 +216,47 @@ CALIBRATION_TEXTS = (
 _CALIBRATION_LENGTH = 16
 
 
-def _quantize(pair: ModelPair, mode: str, work: Path) -> tuple[ModelPair, Quantization]:
-    """Quantize the target's decoder linears (``builder/quantized_checkpoint.py``, ModelOpt format).
+def _read_tokenizer(tokenizer: tuple[str, Path] | None):
+    from dflash_trt.tokenizer import HFTokenizer, Llama2cTokenizer
 
-    The ModelOpt export folder is written to ``quant/target/``; every backend of this engine then runs the
-    weights dequantized from those stored FP8/NVFP4 tensors with float activations (W8A16 / W4A16
-    emulation on CPU), so torch, ONNX Runtime and TensorRT run numerically the same quantized target.
+    if tokenizer is None:
+        return None
+    kind, file = tokenizer
+    return (HFTokenizer if kind == "hf" else Llama2cTokenizer)(file)
+
+
+def _target_source(target: Path):
+    """The target's tensors one at a time (``builder/tensor_stream.py``): safetensors headers of an HF folder, or a
+    llama2.c model (small: the format has no sharding) read whole."""
+    from dflash_trt.builder.target_checkpoint import find_llama2c_model, read_llama2c
+    from dflash_trt.builder.tensor_stream import TensorSource
+
+    if target.is_dir() and (target / "config.json").is_file():
+        return TensorSource.from_folder(target)
+    return TensorSource.from_state(read_llama2c(target if target.is_file() else find_llama2c_model(target))[1])
+
+
+def _quantize(target: Path, cfg, tokenizer, mode: str, work: Path) -> tuple[Path, Quantization]:
+    """Quantize the target's decoder linears into ``quant/target/`` (ModelOpt HF export format), tensor by tensor
+    (``quantized_checkpoint.quantize_checkpoint``: one layer in float32 plus the calibration rows' activations).
+
+    Every backend of this engine then runs the weights dequantized from those stored FP8/NVFP4 tensors with float
+    activations (W8A16 / W4A16 emulation on CPU), so torch, ONNX Runtime and TensorRT run numerically the same
+    quantized target; TensorRT-LLM reads the folder as it is.
     """
     from dflash_trt.builder import quantized_checkpoint as qc
-    from dflash_trt.builder.target_checkpoint import load_checked
-    from dflash_trt.model.target import TargetModel
 
-    cfg = pair.target.config
     calibration = None
-    if pair.tokenizer is not None:
+    if tokenizer is not None:
         try:
-            calibration = qc.calibration_batch(pair.tokenizer, CALIBRATION_TEXTS, _CALIBRATION_LENGTH)
+            calibration = qc.calibration_batch(tokenizer, CALIBRATION_TEXTS, _CALIBRATION_LENGTH)
         except ValueError:
             calibration = None
     if calibration is None:
         generator = torch.Generator().manual_seed(0)
         calibration = torch.randint(0, cfg.vocab_size, (8, _CALIBRATION_LENGTH), generator=generator)
-    state, quant_config = qc.quantize_target(pair.target, mode, calibration)
-    folder = qc.save_quantized_target(work / "quant" / "target", cfg, state, quant_config)
-    restored, _ = qc.load_quantized_target(folder, activations="float")
-    plain = TargetModel(cfg)
-    weights = {k: v for k, v in restored.state_dict().items() if not k.endswith(".input_scale")}
-    if cfg.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    load_checked(plain, weights, str(folder))
+    folder, quant_config = qc.quantize_checkpoint(_target_source(target), cfg, mode, calibration,
+                                                  work / "quant" / "target")
     details = quant_config["quantization"]
     quantization = Quantization(
         mode=mode, quant_algo=details["quant_algo"], group_size=details.get("group_size"),
@@ -252,8 +264,54 @@ def _quantize(pair: ModelPair, mode: str, work: Path) -> tuple[ModelPair, Quanti
         details={"checkpoint": "quant/target (ModelOpt HF export format)",
                  "activations": "float: every backend runs the weights dequantized from the stored tensors "
                                 "(weight-only emulation); input_scale is stored for FP8/FP4 GEMMs on a GPU",
-                 "calibration": f"{calibration.shape[0]} x {calibration.shape[1]} tokens"})
-    return ModelPair(plain.eval(), pair.draft, pair.tokenizer, pair.target_path, pair.draft_path), quantization
+                 "calibration": f"{calibration.shape[0]} x {calibration.shape[1]} tokens, one layer at a time"})
+    return folder, quantization
+
+
+def _dequantized_target(folder: Path):
+    """The quantized export as a plain float32 ``TargetModel`` (the weights dequantized from the stored tensors)."""
+    from dflash_trt.builder import quantized_checkpoint as qc
+    from dflash_trt.builder.target_checkpoint import load_checked
+    from dflash_trt.model.target import TargetModel
+
+    restored, _ = qc.load_quantized_target(folder, activations="float")
+    cfg = restored.config
+    plain = TargetModel(cfg)
+    weights = {k: v for k, v in restored.state_dict().items() if not k.endswith(".input_scale")}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    del restored
+    load_checked(plain, weights, str(folder))
+    return plain.eval()
+
+
+def _checkpoint_configs(target: Path, draft: Path | None):
+    """The target's and drafter's configs from their config files (a llama2.c header), checked as a pair: no tensor
+    is read (llama2.c models, which have no separate config, excepted)."""
+    from dflash_trt.builder.draft_checkpoint import read_draft_config
+    from dflash_trt.builder.load import load_target, validate_pair
+    from dflash_trt.builder.target_checkpoint import read_hf_target_config
+
+    if target.is_dir() and (target / "config.json").is_file() and not (target / "hf_quant_config.json").is_file():
+        target_cfg = read_hf_target_config(target)
+    else:  # llama2.c, or an already quantized export: small here, loaded and checked as `run` would
+        target_cfg = load_target(target)[0].config
+    draft_cfg = read_draft_config(draft) if draft is not None else None
+    if draft_cfg is not None:
+        validate_pair(target_cfg, draft_cfg, f"{target} + {draft}")
+    return target_cfg, draft_cfg
+
+
+def _stored_dtype(target: Path) -> str:
+    """The dtype of the target checkpoint's float weights (its embedding's), by name; float32 for llama2.c."""
+    from dflash_trt.builder.tensor_stream import TensorSource
+
+    if not (target.is_dir() and (target / "config.json").is_file()):
+        return "float32"
+    specs = TensorSource.from_folder(target).specs
+    dtype = next((specs[k][0] for k in ("model.embed_tokens.weight", "embed_tokens.weight") if k in specs),
+                 torch.float32)
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
 
 
 def build_engine(config: BuildConfig, progress: Progress | None = None) -> BuildReport:
@@ -293,11 +351,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     target_path = config.target or embedded_target_path()
     draft_path = config.draft if config.draft is not None else (embedded_draft_path() if config.target is None
                                                                  else None)
-    pair: ModelPair = step("load checkpoints", lambda: load_pair(config.target, config.draft, dtype="float32"))
-    pair, quantization = step(f"quantize ({config.quant})", lambda: _quantize(pair, config.quant, work)) \
-        if config.quant != "none" else (pair, Quantization(mode="none"))
-    target_cfg = pair.target.config
-    draft_cfg = pair.draft.config if pair.draft is not None else None
+    target_cfg, draft_cfg = step("read configs", lambda: _checkpoint_configs(target_path, draft_path))
     max_seq_len = config.max_seq_len or min(target_cfg.max_position_embeddings, 8192)
     if max_seq_len > target_cfg.max_position_embeddings:
         raise RequestError(f"--max-seq-len is {max_seq_len}; expected <= the target's max_position_embeddings "
@@ -306,12 +360,26 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     if draft_cfg is not None and block_len < 2:
         raise RequestError(f"--block-len is {block_len}; expected >= 2 with a drafter (anchor + at least one draft). "
                            "Fix: omit --block-len to use the drafter's block_size.")
+    if config.backend == "trtllm" and draft_cfg is None:
+        raise EngineFormatError("--backend trtllm needs a drafter; got none. Fix: pass --draft DIR.")
     from dflash_trt.builder.export_onnx import OPSET, OPSET_ONNXRUNTIME, GraphLimits
 
     opset = OPSET_ONNXRUNTIME if config.backend == "onnxruntime" else OPSET
     limits = GraphLimits(config.max_batch_size, max_seq_len, block_len, opset)
-    step("write torch weights", lambda: _write_torch_weights(pair, work))
+    if config.backend == "trtllm":  # checked before anything heavy runs
+        from dflash_trt.builder.bundle_trtllm import check_split
+
+        check_split(target_cfg, draft_cfg, config.trtllm.tensor_parallel_size, config.trtllm.pipeline_parallel_size)
     tokenizer = _tokenizer_file(target_path)
+    quantized, quantization = None, Quantization(mode="none")
+    if config.quant != "none":
+        quantized, quantization = step(f"quantize ({config.quant})", lambda: _quantize(
+            target_path, target_cfg, _read_tokenizer(tokenizer), config.quant, work))
+    pair = None
+    if config.backend != "trtllm":  # the bundle reads no weight it does not rewrite
+        pair = step("load checkpoints", lambda: _load_for_graphs(config, quantized, target_path, draft_path,
+                                                                         tokenizer))
+        step("write torch weights", lambda: _write_torch_weights(pair, work))
     tokenizer_record = None
     if tokenizer is not None:
         kind, file = tokenizer
@@ -321,7 +389,8 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
             shutil.copyfile(file.parent / "tokenizer_config.json", work / "tokenizer" / "tokenizer_config.json")
         tokenizer_record = TokenizerRecord(kind=kind, path=f"tokenizer/{file.name}")
 
-    backends: list[BackendName] = ["torch"]
+    backends: list[BackendName] = ["torch"] if pair is not None else []
+    stored_dtype = "float32"
     pending: list[str] = []
     checks: dict[str, str] = {}
     plugins = ()
@@ -343,8 +412,10 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     if config.backend == "trtllm":
         from dflash_trt.builder import bundle_trtllm
 
+        sources = bundle_trtllm.BundleSources(target_path, draft_path, target_cfg, draft_cfg, quantized)
         trt_checks, trt_pending = step("write TensorRT-LLM bundle", lambda: bundle_trtllm.write_bundle(
-            work, config.out, pair, quantization, limits, tokenizer, config.trtllm))
+            work, config.out, sources, quantization, limits, tokenizer, config.trtllm))
+        stored_dtype = _stored_dtype(target_path)
         checks.update(trt_checks)
         pending += trt_pending
         backends.append("trtllm")
@@ -362,7 +433,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
                                   mask_token_id=draft_cfg.mask_token_id) if draft_cfg else None,
             tokenizer=tokenizer_record, quantization=quantization,
             build=BuildSettings(backend=config.backend, max_batch_size=config.max_batch_size, max_seq_len=max_seq_len,
-                                block_len=block_len, dtype="float32", drafter_graph=drafter_graph,
+                                block_len=block_len, dtype=stored_dtype, drafter_graph=drafter_graph,
                                 opset=opset if drafter_graph else None, command=config.command()),
             artefacts=_artefacts(work, drafter_graph or "standard"), plugins=plugins, tools=tool_versions(),
             tensorrt=tensorrt_stamp, checks=checks, pending=tuple(pending))
@@ -370,6 +441,18 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
         return manifest
 
     return step("hash artefacts, write manifest", finish)
+
+
+def _load_for_graphs(config: BuildConfig, quantized: Path | None, target_path: Path, draft_path: Path | None,
+                     tokenizer) -> ModelPair:
+    """The float32 pair the torch weights and the graphs are written from; a quantized build's target is its export,
+    dequantized (the original checkpoint is not loaded again)."""
+    if quantized is None:
+        return load_pair(config.target, config.draft, dtype="float32")
+    from dflash_trt.builder.load import load_draft
+
+    draft = load_draft(draft_path, torch.float32) if draft_path is not None else None
+    return ModelPair(_dequantized_target(quantized), draft, _read_tokenizer(tokenizer), target_path, draft_path)
 
 
 def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_graph: str, step) -> tuple:

@@ -27,9 +27,11 @@ from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import EngineFormatError, IncompatibleEngineError
 
 FORMAT = "dflash-trt-engine"
-FORMAT_VERSION = 3
-"""3: ONNX Runtime engines hold ``onnx/target_step.onnx`` (the in-place target graph) instead of ``target.onnx``."""
-SUPPORTED_FORMAT_VERSIONS = (2, 3)
+FORMAT_VERSION = 4
+"""3: ONNX Runtime engines hold ``onnx/target_step.onnx`` (the in-place target graph) instead of ``target.onnx``.
+4: ``build.dtype`` names the dtype the float weights are stored in (a TensorRT-LLM bundle links the checkpoint's own
+bfloat16/float16 files), and a ``--backend trtllm`` folder holds the bundle alone (no torch weights)."""
+SUPPORTED_FORMAT_VERSIONS = (2, 3, 4)
 """Version 2 folders still load: the onnxruntime backend also runs their ``target.onnx``."""
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 20
@@ -123,7 +125,8 @@ class BuildSettings(BaseModel):
     max_batch_size: PositiveInt = Field(description="Largest batch the graphs/plans accept.")
     max_seq_len: PositiveInt = Field(description="Longest prompt + output; RoPE tables and caches are sized by it.")
     block_len: PositiveInt = Field(description="Largest block (anchor + drafts) the drafter graph accepts.")
-    dtype: Literal["float32"] = Field(description="Activation dtype of the graphs.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        description="dtype of the stored float weights (graphs compute in float32 on CPU).")
     drafter_graph: Literal["standard", "plugin"] | None = Field(
         description="Which drafter graph ONNX Runtime runs: standard ONNX ops (fast) or DFlashBlockAttention nodes.")
     opset: PositiveInt | None = Field(description="ONNX opset of the graphs, null when none were written.")

@@ -51,6 +51,7 @@ from dflash_trt.builder.batch_invariant import make_batch_invariant
 from dflash_trt.builder.hf_config import parse_target_config, target_config_json
 from dflash_trt.builder.safe_files import read_json, read_tensors, safetensors_files
 from dflash_trt.builder.target_checkpoint import check_state_dict
+from dflash_trt.builder.tensor_stream import SafetensorsWriter, TensorSource
 from dflash_trt.config import TargetConfig
 from dflash_trt.errors import CheckpointFormatError
 from dflash_trt.model.target import TargetModel
@@ -109,39 +110,155 @@ def quantize_target(model: TargetModel, mode: q.QuantMode, calibration: Tensor) 
     The state dict holds every tensor of the HF checkpoint under its HF name: quantised linears as
     ``weight``/``weight_scale``/[``weight_scale_2``]/``input_scale`` (formulas in ``quantize.py``), all
     others unchanged. Shapes: calibration ``[N, T]`` token ids (see :func:`calibrate_input_amax`).
+    The same code as :func:`quantize_checkpoint` (layer by layer), collected in memory.
     """
+    state = {name: t.detach() for name, t in model.state_dict().items()
+             if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+    plan, quant_config = quantization_plan(TensorSource.from_state(state), model.config, mode)
+    return dict(quantized_tensors(TensorSource.from_state(state), model.config, mode, calibration, plan)), quant_config
+
+
+def _source_key(source: TensorSource, name: str) -> str:
+    """Our tensor name -> the source's key (HF folders prefix ``model.`` except ``lm_head``)."""
+    return name if name in source.specs else _hf_name(name)
+
+
+def quantization_plan(source: TensorSource, config: TargetConfig, mode: q.QuantMode
+                      ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], dict]:
+    """Every tensor of the export, in the order :func:`quantized_tensors` yields them (HF name, dtype, shape), and
+    ``hf_quant_config``. From the source's dtypes and shapes only: no tensor is read."""
     if mode not in QUANT_ALGOS:
         raise ValueError(f"quantization mode is {mode!r}; expected one of {sorted(QUANT_ALGOS)}")
-    input_amax = calibrate_input_amax(model, calibration)
-    state = {_hf_name(name): t.detach() for name, t in model.state_dict().items()
-             if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+    names = [k.removeprefix("model.") for k in source.specs if not k.endswith("rotary_emb.inv_freq")]
+    if config.tie_word_embeddings:
+        names = [n for n in names if n != "lm_head.weight"]
+    plan: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     excluded: list[str] = []
-    for index, layer in enumerate(model.layers):
-        weight_amax = {name: q.amax(layer.get_submodule(name).weight) for name in LINEAR_NAMES}
-        act_amax = {name: input_amax[f"layers.{index}.{name}"] for name in LINEAR_NAMES}
-        if mode == "nvfp4":
-            for group in SHARED_INPUT_GROUPS:
-                for amaxes in (weight_amax, act_amax):
-                    shared = torch.stack([amaxes[name] for name in group]).max()
-                    amaxes.update(dict.fromkeys(group, shared))
-        for name in LINEAR_NAMES:
-            prefix = f"model.layers.{index}.{name}"
-            weight = layer.get_submodule(name).weight
-            if mode == "nvfp4" and weight.shape[1] % q.NVFP4_BLOCK:
-                excluded.append(prefix)
-                continue
-            state[prefix + ".input_scale"] = q.input_scale(act_amax[name], mode)
-            if mode == "fp8":
-                state[prefix + ".weight"], state[prefix + ".weight_scale"] = q.quantize_fp8(
-                    weight, q.fp8_scale(weight_amax[name]))
-            else:
-                packed, block_scales, global_scale = q.quantize_nvfp4(weight, q.nvfp4_global_scale(weight_amax[name]))
-                state[prefix + ".weight"], state[prefix + ".weight_scale"] = packed, block_scales
-                state[prefix + ".weight_scale_2"] = global_scale
-    if len(excluded) == len(model.layers) * len(LINEAR_NAMES):
+    quantized = {f"layers.{i}.{linear}.weight" for i in range(config.num_layers) for linear in LINEAR_NAMES}
+    for layer_name in _layer_order(names, config.num_layers):
+        dtype, shape = source.specs[_source_key(source, layer_name)]
+        if layer_name not in quantized:
+            plan.append((_hf_name(layer_name), dtype, tuple(shape)))
+            continue
+        prefix, (out_features, in_features) = _hf_name(layer_name.removesuffix(".weight")), shape
+        if mode == "nvfp4" and in_features % q.NVFP4_BLOCK:
+            excluded.append(prefix)
+            plan.append((prefix + ".weight", dtype, tuple(shape)))
+            continue
+        if mode == "fp8":
+            plan += [(prefix + ".weight", torch.float8_e4m3fn, (out_features, in_features)),
+                     (prefix + ".weight_scale", torch.float32, ())]
+        else:
+            plan += [(prefix + ".weight", torch.uint8, (out_features, in_features // 2)),
+                     (prefix + ".weight_scale", torch.float8_e4m3fn, (out_features, in_features // q.NVFP4_BLOCK)),
+                     (prefix + ".weight_scale_2", torch.float32, ())]
+        plan.append((prefix + ".input_scale", torch.float32, ()))
+    if len(excluded) == config.num_layers * len(LINEAR_NAMES):
         raise ValueError(f"no linear of this target can be {QUANT_ALGOS[mode]}-quantised (input dims are not "
                          f"multiples of {q.NVFP4_BLOCK}); use mode 'fp8'")
-    return state, hf_quant_config(mode, excluded)
+    return plan, hf_quant_config(mode, excluded)
+
+
+def _layer_order(names: list[str], num_layers: int) -> list[str]:
+    """Tensors outside the decoder layers first (embedding, final norm, head), then layer by layer."""
+    def layer_of(name: str) -> int:
+        return int(name.split(".")[1]) if name.startswith("layers.") else -1
+    return sorted(names, key=lambda n: (layer_of(n), n))
+
+
+@torch.inference_mode()
+def quantized_tensors(source: TensorSource, config: TargetConfig, mode: q.QuantMode, calibration: Tensor,
+                      plan: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+    """Yield (HF name, tensor) in ``plan`` order: tensors outside the decoder layers as stored, then each layer's
+    tensors, its linears quantised with input scales calibrated on that layer alone.
+
+    Calibration runs the float32 target one layer at a time: the calibration rows' hidden states enter layer
+    ``i``, each linear records ``max |input|`` (ModelOpt's max calibrator), and the outputs feed layer ``i+1``;
+    memory holds one layer's weights in float32 and the rows' activations, never the model. Per row and per layer
+    these are the ops of the whole model's forward, so the amaxes are the same bits.
+    Shapes: calibration ``[N, T]`` token ids.
+    """
+    from dflash_trt.model.kv_cache import StaticKVCache
+    from dflash_trt.model.layers import RotaryTable
+    from dflash_trt.model.target import TargetLayer, causal_mask
+
+    planned = {name for name, _, _ in plan}
+    order = [n.removeprefix("model.") for n, _, _ in plan if not n.endswith(_EXPORT_ONLY)]
+    hidden: list[Tensor] = []
+    length = calibration.shape[1]
+    positions = torch.arange(length).expand(1, length)
+    rotary = RotaryTable(config.rope, config.head_dim, length)
+    mask = causal_mask(0, length, torch.device("cpu"))
+    cache = StaticKVCache(1, 1, config.num_kv_heads, length, config.head_dim, torch.float32, torch.device("cpu"))
+    for name in (n for n in order if not n.startswith("layers.")):  # embedding, final norm, head: as stored
+        tensor = source.get(_source_key(source, name))
+        if name == "embed_tokens.weight":  # the calibration rows enter layer 0
+            hidden = [F.embedding(row.view(1, -1), tensor.float()) for row in calibration]
+        yield _hf_name(name), tensor
+        del tensor
+    for index in range(config.num_layers):
+        prefix = f"layers.{index}."
+        names = [n for n in order if n.startswith(prefix)]
+        with torch.device("meta"):
+            layer = TargetLayer(config)
+        weights = {n.removeprefix(prefix): source.get(_source_key(source, n)) for n in names}
+        layer.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True, assign=True)
+        amaxes: dict[str, Tensor] = {}
+        hooks = []
+        for linear in LINEAR_NAMES:
+            def record(_module: nn.Module, args: tuple[Tensor, ...], linear: str = linear) -> None:
+                seen = q.amax(args[0])
+                amaxes[linear] = torch.maximum(amaxes[linear], seen) if linear in amaxes else seen
+            hooks.append(layer.get_submodule(linear).register_forward_pre_hook(record))
+        try:
+            cos, sin = rotary.lookup(positions, torch.float32)
+            hidden = [layer(h, cos, sin, cache, 0, 0, mask, None) for h in hidden]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        weight_amax = {linear: q.amax(layer.get_submodule(linear).weight) for linear in LINEAR_NAMES}
+        if mode == "nvfp4":
+            for group in SHARED_INPUT_GROUPS:
+                for table in (weight_amax, amaxes):
+                    shared = torch.stack([table[linear] for linear in group]).max()
+                    table.update(dict.fromkeys(group, shared))
+        for name in names:
+            stem = _hf_name(name).removesuffix(".weight")
+            if stem + ".input_scale" not in planned:  # norms, biases, linears NVFP4 cannot hold: as stored
+                yield _hf_name(name), weights[name.removeprefix(prefix)]
+                continue
+            linear = name.removeprefix(prefix).removesuffix(".weight")
+            weight = layer.get_submodule(linear).weight
+            if mode == "fp8":
+                qweight, scale = q.quantize_fp8(weight, q.fp8_scale(weight_amax[linear]))
+                yield stem + ".weight", qweight
+                yield stem + ".weight_scale", scale
+            else:
+                packed, block_scales, global_scale = q.quantize_nvfp4(weight,
+                                                                      q.nvfp4_global_scale(weight_amax[linear]))
+                yield stem + ".weight", packed
+                yield stem + ".weight_scale", block_scales
+                yield stem + ".weight_scale_2", global_scale
+            yield stem + ".input_scale", q.input_scale(amaxes[linear], mode)
+        del layer, weights
+
+
+_EXPORT_ONLY = (".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+def quantize_checkpoint(source: TensorSource, config: TargetConfig, mode: q.QuantMode, calibration: Tensor,
+                        folder: Path, tokenizer_file: Path | None = None) -> tuple[Path, dict]:
+    """Write the ModelOpt export folder of a checkpoint, tensor by tensor (:func:`quantized_tensors` into a
+    :class:`SafetensorsWriter`): peak memory is one layer in float32 plus the calibration activations, whatever the
+    model's size. Returns (folder, ``hf_quant_config``)."""
+    folder = Path(folder)
+    plan, quant_config = quantization_plan(source, config, mode)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_configs(folder, config, quant_config, tokenizer_file)
+    with SafetensorsWriter(folder / "model.safetensors", plan, metadata={"format": "pt"}) as out:
+        for name, tensor in quantized_tensors(source, config, mode, calibration, plan):
+            out.write(name, tensor)
+    return folder, quant_config
 
 
 def hf_quant_config(mode: q.QuantMode, excluded: Sequence[str] = ()) -> dict:
@@ -172,14 +289,20 @@ def save_quantized_target(folder: str | Path, config: TargetConfig, state: dict[
     """Write ``config.json``, ``hf_quant_config.json`` and ``model.safetensors`` (+ a copy of ``tokenizer_file``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    _write_configs(folder, config, quant_config, tokenizer_file)
+    save_file({name: t.contiguous() for name, t in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    return folder
+
+
+def _write_configs(folder: Path, config: TargetConfig, quant_config: dict, tokenizer_file: Path | None) -> None:
     hf_config = target_config_json(config) | {"quantization_config": quantization_config(quant_config)}
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (folder / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=4) + "\n")
-    save_file({name: t.contiguous() for name, t in state.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
     if tokenizer_file is not None:
-        (folder / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
-    return folder
+        import shutil
+
+        shutil.copyfile(tokenizer_file, folder / tokenizer_file.name)
 
 
 def load_quantized_target(folder: str | Path, activations: Activations = "float",

@@ -1,0 +1,111 @@
+"""Builds that stream: the quantized export is written tensor by tensor with the same bytes as the whole-model
+path, and a TensorRT-LLM bundle links the checkpoint's files instead of writing a second copy of the target."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash_trt.builder.engine import BuildConfig, build_engine
+from dflash_trt.builder.hf_config import target_config_json
+from dflash_trt.builder.load import embedded_draft_path, load_pair
+from dflash_trt.builder.manifest import read_manifest
+from dflash_trt.builder.quantized_checkpoint import (calibrate_input_amax, quantize_checkpoint, quantize_target)
+from dflash_trt.builder.tensor_stream import SafetensorsWriter, TensorSource
+
+CALIBRATION = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return load_pair()
+
+
+@pytest.fixture(scope="module")
+def hf_pair(stories, tmp_path_factory):
+    """stories260K as an HF folder in bfloat16 (what the hub ships) and a copy of its drafter folder."""
+    root = tmp_path_factory.mktemp("hf")
+    target = root / "target"
+    target.mkdir()
+    cfg = stories.target.config
+    (target / "config.json").write_text(json.dumps(target_config_json(cfg)))
+    state = {f"model.{k}": v.to(torch.bfloat16).contiguous() for k, v in stories.target.state_dict().items()
+             if k != "lm_head.weight"}
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    draft = root / "draft"
+    shutil.copytree(embedded_draft_path(), draft)
+    return target, draft
+
+
+@pytest.mark.parametrize("mode", ["fp8", "nvfp4"])
+def test_streamed_quantization_writes_the_tensors_of_the_whole_model_path(stories, tmp_path, mode):
+    """Layer-by-layer calibration gives the whole model's amaxes bit for bit, and the file holds quantize_target's
+    tensors, names, dtypes and shapes exactly."""
+    model = stories.target
+    expected, expected_config = quantize_target(model, mode, CALIBRATION)
+    amax = calibrate_input_amax(model, CALIBRATION)  # the whole-model forward with hooks
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    folder, quant_config = quantize_checkpoint(TensorSource.from_state(state), model.config, mode, CALIBRATION,
+                                               tmp_path / "q")
+    assert quant_config["quantization"] == expected_config["quantization"]
+    with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+        assert set(handle.keys()) == set(expected)
+        for name in handle.keys():
+            got, want = handle.get_tensor(name), expected[name]
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).contiguous().view(torch.uint8)), name
+    from dflash_trt.builder import quantize as q
+
+    linears = ("self_attn.o_proj",) if mode == "nvfp4" else ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj",
+                                                              "mlp.down_proj")  # NVFP4 shares q/k/v, gate/up scales
+    for layer in range(model.config.num_layers):
+        for linear in linears:
+            scale = expected[f"model.layers.{layer}.{linear}.input_scale"]
+            assert torch.equal(scale, q.input_scale(amax[f"layers.{layer}.{linear}"], mode)), (layer, linear)
+
+
+def test_the_streaming_writer_refuses_a_tensor_off_its_plan_and_removes_an_incomplete_file(tmp_path):
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(ValueError, match="the plan says `a`"):
+        with SafetensorsWriter(path, [("a", torch.float32, (2,)), ("b", torch.bfloat16, (3,))]) as out:
+            out.write("a", torch.ones(3))
+    assert not path.exists()
+    with SafetensorsWriter(path, [("a", torch.float32, (2,)), ("b", torch.bfloat16, (3,))]) as out:
+        out.write("a", torch.ones(2))
+        out.write("b", torch.arange(3).to(torch.bfloat16))
+    with safe_open(str(path), "pt") as handle:
+        assert torch.equal(handle.get_tensor("b"), torch.arange(3).to(torch.bfloat16))
+
+
+def test_a_trtllm_bundle_links_the_checkpoint_files_and_records_their_dtype(hf_pair, tmp_path):
+    target, draft = hf_pair
+    out = tmp_path / "bundle"
+    report = build_engine(BuildConfig(out=out, target=target, draft=draft, backend="trtllm", max_seq_len=256))
+    assert report.pending == ()
+    for source, bundled in ((target / "model.safetensors", out / "trtllm" / "target" / "model.safetensors"),
+                            (draft / "model.safetensors", out / "trtllm" / "draft" / "model.safetensors")):
+        assert bundled.stat().st_ino == source.stat().st_ino  # the same file, not a second copy
+    written = [p for p in out.rglob("*.safetensors") if p.stat().st_nlink == 1]
+    assert written == []  # no weight file of its own
+    manifest = read_manifest(out)
+    assert manifest.build.dtype == "bfloat16" and manifest.backends == ("trtllm",)
+    assert "linked" in manifest.checks["trtllm_target"] and "needs an NVIDIA GPU" in manifest.checks.get(
+        "trtllm_serving", "needs an NVIDIA GPU")
+
+
+def test_a_quantized_trtllm_bundle_is_the_streamed_modelopt_export(hf_pair, stories, tmp_path):
+    target, draft = hf_pair
+    out = tmp_path / "bundle-fp8"
+    build_engine(BuildConfig(out=out, target=target, draft=draft, backend="trtllm", quant="fp8", max_seq_len=256))
+    bundled = out / "trtllm" / "target" / "model.safetensors"
+    assert bundled.stat().st_ino == (out / "quant" / "target" / "model.safetensors").stat().st_ino
+    with safe_open(str(bundled), "pt") as handle:
+        assert handle.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.float8_e4m3fn
+        assert handle.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16  # unquantized: as stored
+    assert json.loads((out / "trtllm" / "target" / "hf_quant_config.json").read_text())["quantization"][
+        "quant_algo"] == "FP8"
