@@ -47,6 +47,12 @@ def main(debug: bool) -> None:
         os.environ[_DEBUG_ENV] = "1"
 
 
+MAX_SEQ_LEN_HELP = ("Longest prompt + output of a request. Each of --max-batch slots preallocates a KV cache this "
+                    "long at start-up (the size is printed; too large for the free memory is refused, naming the "
+                    "largest that fits). Default: min(the model's max_position_embeddings, 4096), a common serving "
+                    "context: the full window (40,960 for Qwen3) would reserve 10x the memory per slot.")
+
+
 _EXAMPLES_RUN = """
 \b
 Examples:
@@ -90,10 +96,11 @@ Examples:
               "straight into it. auto: the checkpoint's own (config.json torch_dtype, else its stored tensors). "
               "The default stays float32: greedy DFlash equals plain decoding bit for bit there on this backend.")
 @click.option("--device", default="cpu", show_default=True, help="torch backend device: cpu, cuda or cuda:N.")
+@click.option("--max-seq-len", type=int, default=None, help=MAX_SEQ_LEN_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--stream", is_flag=True, help="Print text as each cycle is verified.")
 def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, block_len,
-        proposal, stop_token_ids, no_draft, speculation, dtype, device, as_json, stream) -> None:
+        proposal, stop_token_ids, no_draft, speculation, dtype, device, max_seq_len, as_json, stream) -> None:
     """Generate from a target with its DFlash drafter (or without, --no-draft)."""
     from dflash_trt.config import SamplingParams
     from dflash_trt.runtime.policy import SpeculationConfig
@@ -115,10 +122,11 @@ def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temp
         if target is not None or draft is not None:
             raise RequestError("--engine already holds the target and drafter; expected no --target/--draft with it. "
                                "Fix: drop --target/--draft.")
-        session = Session.load(engine, backend, speculation=SpeculationConfig(mode=speculation))
+        session = Session.load(engine, backend, max_seq_len=max_seq_len,
+                               speculation=SpeculationConfig(mode=speculation))
     else:
         session = Session.from_checkpoints(target, draft, dtype=dtype, use_draft=not no_draft, device=device,
-                                           speculation=SpeculationConfig(mode=speculation))
+                                           max_seq_len=max_seq_len, speculation=SpeculationConfig(mode=speculation))
     request = prompt if prompt is not None else list(_parse_ids(prompt_ids, "--prompt-ids"))
     if stream and not as_json:
         for chunk in session.stream(request, params):
@@ -132,6 +140,8 @@ def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temp
     from dflash_trt import _render
 
     _render.generation(result, prompt if prompt is not None else None)
+    if session.kv_cache is not None:
+        click.echo(session.kv_cache.line(), err=True)
 
 
 _EXAMPLES_INSPECT = """
@@ -213,6 +223,7 @@ Examples:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 = every interface).")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port (0 = any free one).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
+@click.option("--max-seq-len", type=int, default=None, help=MAX_SEQ_LEN_HELP)
 @click.option("--max-queue", type=int, default=64, show_default=True, help="Waiting requests beyond --max-batch; "
               "more get 429 with Retry-After.")
 @click.option("--speculation", type=click.Choice(["auto", "static", "off"]), default="auto", show_default=True,
@@ -224,8 +235,8 @@ Examples:
               "checkpoint's tokenizer_config.json, else plain).")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True, help="Seconds in-flight requests "
               "get to finish after SIGTERM or Ctrl-C.")
-def serve(engine, backend, target, draft, host, port, max_batch, max_queue, speculation, api_key, served_model_name,
-          chat_template, drain_timeout) -> None:
+def serve(engine, backend, target, draft, host, port, max_batch, max_seq_len, max_queue, speculation, api_key,
+          served_model_name, chat_template, drain_timeout) -> None:
     """Serve the OpenAI API (completions, chat, streaming, /metrics) with DFlash speculation."""
     from pydantic import ValidationError
 
@@ -233,7 +244,8 @@ def serve(engine, backend, target, draft, host, port, max_batch, max_queue, spec
 
     try:
         config = ServeConfig(engine=engine, backend=backend, target=target, draft=draft, host=host, port=port,
-                             max_batch=max_batch, max_queue=max_queue, speculation=speculation, api_key=api_key,
+                             max_batch=max_batch, max_seq_len=max_seq_len, max_queue=max_queue,
+                             speculation=speculation, api_key=api_key,
                              served_model_name=served_model_name, chat_template=chat_template,
                              drain_timeout_s=drain_timeout)
     except ValidationError as exc:

@@ -71,6 +71,10 @@ class EngineExistsError(OutputExistsError):
     """A build would overwrite an existing engine folder without ``--force``, or a path that is no engine folder."""
 
 
+class InsufficientMemoryError(DFlashError, MemoryError):
+    """What a session would allocate at start-up (its KV caches) does not fit in the memory available here."""
+
+
 class ServingError(DFlashError, RuntimeError):
     """A Triton model repository cannot be written, or the bundled tritonserver failed to start or stop."""
 

@@ -45,6 +45,10 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--block-len", default=None, help="Comma-separated DFlash block lengths (default: the drafter's).")
 @click.option("--temperature", default="0", show_default=True, help="Comma-separated temperatures.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-seq-len", type=int, default=None,
+              help="Context of each session slot (prompt + output; the KV cache is sized by it and printed). Default: "
+                   "what the benchmark's requests need, the longest prompt run plus --max-new-tokens (at most the "
+                   "model's positions), so the caches hold no context that no request uses.")
 @click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")
 @click.option("--no-peers", is_flag=True, help="Skip transformers generate() and the dflash reference.")
 @click.option("--no-adaptive", is_flag=True, help="Skip DFlash with the `auto` (cost-model) speculation policy.")
@@ -60,8 +64,8 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--api-key", default=None, help="With --endpoint: sent as `Authorization: Bearer KEY`.")
 @click.option("--ignore-eos", is_flag=True, help="With --endpoint: ask for exactly --max-new-tokens per request.")
 def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, concurrency, block_len, temperature,
-                  max_new_tokens, gpu_hour_cost, no_peers, no_adaptive, repeats, seed, out, endpoints, request_rate,
-                  goodput, api_key, ignore_eos) -> None:
+                  max_new_tokens, max_seq_len, gpu_hour_cost, no_peers, no_adaptive, repeats, seed, out, endpoints,
+                  request_rate, goodput, api_key, ignore_eos) -> None:
     """Benchmark DFlash against plain decoding in the same runtime, on the same requests (or, with --endpoint,
     live servers from the client side)."""
     if endpoints:
@@ -86,16 +90,15 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         temperatures=_numbers(temperature, float, "--temperature"), max_new_tokens=max_new_tokens, seed=seed,
         gpu_hour_cost=gpu_hour_cost, peers=not no_peers, adaptive=not no_adaptive, repeats=repeats)
     max_batch = max(config.concurrency)
-    if engine is not None:
-        session = Session.load(engine, max_batch=max_batch)
-    else:
-        session = Session.from_checkpoints(target, draft, max_batch=max_batch)
+    prompt_sets = load_prompt_sets(config)
+    session = _open_session(target, draft, engine, max_batch, max_seq_len, prompt_sets, config)
+    click.echo(session.kv_cache.line(), err=True)
     adaptive = None
     if config.adaptive and session.pair.draft is not None:
         adaptive = Session(session.pair, backend=getattr(session.backend, "name", "torch"),
                            max_seq_len=session.max_seq_len, engine=getattr(session, "engine", None),
                            max_batch=max_batch, speculation=SpeculationConfig(mode="auto"))
-    prompt_sets = load_prompt_sets(config)
+        click.echo(f"{session.kv_cache.line()} for the adaptive (speculation auto) session", err=True)
     peers, notes = ({}, ["peers disabled (--no-peers)"]) if no_peers else available_peers(
         session.pair.target, session.pair.draft_path, session.pair.target.config.eos_token_ids)
     # the sessions, weights and peers live through the timed waves: out of the cyclic GC's reach meanwhile (a full
@@ -124,6 +127,31 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
                    + ("" if same is None else f", greedy identical to AR: {'yes' if same else 'NO'}"))
         if cost_line(cell) is not None:
             click.echo(f"{'':>12} {cost_line(cell)}")
+
+
+def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None, prompt_sets, config):
+    """The benchmarked session, its context ``max_seq_len`` or what the requests need (``context_needed``)."""
+    from dflash_trt.bench.harness import context_needed
+    from dflash_trt.builder.load import load_pair
+    from dflash_trt.runtime.session import Session
+
+    if engine is not None:
+        from dflash_trt.runtime.engine_loader import load_engine
+
+        loaded = load_engine(engine)
+        pair, backend, limit = loaded.pair, loaded.backend, loaded.max_seq_len
+    else:
+        loaded, backend = None, "torch"
+        pair = load_pair(target, draft)
+        limit = pair.target.config.max_position_embeddings
+        if pair.draft is not None:
+            limit = min(limit, pair.draft.config.max_position_embeddings)
+    if max_seq_len is None and pair.tokenizer is not None:
+        max_seq_len = context_needed(prompt_sets, pair.tokenizer.encode, config, limit)
+    if max_seq_len is not None and engine is not None and max_seq_len > limit:
+        raise RequestError(f"--max-seq-len is {max_seq_len}; expected <= {limit}, the engine's build limit. Fix: pass "
+                           f"--max-seq-len {limit} or less, or rebuild the engine with --max-seq-len {max_seq_len}.")
+    return Session(pair, backend=backend, engine=loaded, max_seq_len=max_seq_len, max_batch=max_batch)
 
 
 def _bench_endpoints(endpoints, datasets, prompts_file, num_prompts, concurrency, request_rate, temperature,

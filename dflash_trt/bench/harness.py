@@ -158,11 +158,25 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
         cell = CellResult(prompt_set.name, temperature, block_len, concurrency, prompts=prompts, skipped=skipped)
         mark = session.costs.mark()
         run_cell(runners, requests, concurrency, cell, config.repeats)
+        runners.clear()  # a peer's model is freed here, before the next cell builds its own
         cell.costs = _step_costs(session, concurrency, block_len, mark)
         results.append(cell)
         if progress is not None:
             progress(cell.key(), done + 1, len(cells))
     return results
+
+
+def context_needed(prompt_sets: list[PromptSet], encode: Callable[[str], list[int]], config: BenchConfig,
+                   limit: int) -> int:
+    """The context the benchmark's requests need: the longest prompt that ``run_benchmark`` will run (the first
+    ``num_prompts`` of each set that fit ``limit`` with ``max_new_tokens``, and the warm-up prompts) plus its
+    new tokens, at most ``limit``. A session sized by it runs exactly the requests one sized by ``limit`` runs."""
+    warm_tokens = min(16, config.max_new_tokens)
+    needed = [len(encode(p.text)) + warm_tokens for p in prompt_sets[0].prompts[:config.warmup]] if prompt_sets else []
+    for prompt_set in prompt_sets:
+        lengths = [len(encode(p.text)) + config.max_new_tokens for p in prompt_set.prompts]
+        needed += [length for length in lengths if length <= limit][:config.num_prompts]
+    return min(max(needed, default=limit), limit)
 
 
 def _step_costs(session: Session, concurrency: int, block_len: int, mark: dict) -> StepCosts | None:

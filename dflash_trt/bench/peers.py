@@ -1,11 +1,17 @@
 """Peers timed beside us on the same weights and prompts: transformers ``generate()`` (plain decoding)
 and the official DFlash reference (``dflash`` 0.1.0, ``dflash_generate``). Both are optional: when a
 package is missing the peer is skipped with a note in the report.
+
+Peers hold no weights of their own: the transformers model is built on the meta device and then takes our
+target's tensors (``load_state_dict(assign=True)``), so it runs the same weights in the same dtype and costs
+no second copy. It is built lazily, when the first cell that times a peer starts, shared by the peers of
+that cell, and freed with the cell's runners, before the next one is built.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -19,7 +25,8 @@ PeerFactory = Callable[[int], Runner]
 
 
 def to_transformers(target: TargetModel):
-    """The same target as a transformers ``LlamaForCausalLM``/``Qwen3ForCausalLM`` (float32, sdpa)."""
+    """The same target as a transformers ``LlamaForCausalLM``/``Qwen3ForCausalLM`` over the same tensors (no copy,
+    the target's dtype). Raises ``NotImplementedError`` for a target it cannot express exactly."""
     import transformers
 
     cfg: TargetConfig = target.config
@@ -38,12 +45,17 @@ def to_transformers(target: TargetModel):
     else:
         hf_config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     hf_config.architectures = [cls.__name__]
-    model = cls(hf_config).float().eval()
-    state = {("lm_head.weight" if name == "lm_head.weight" else f"model.{name}"): tensor.float()
+    with torch.device("meta"):  # no storage, no random init: every parameter is replaced by ours below
+        model = cls(hf_config)
+    state = {("lm_head.weight" if name == "lm_head.weight" else f"model.{name}"): tensor
              for name, tensor in target.state_dict().items()}
-    model.load_state_dict(state, strict=False)
-    return model
-
+    model.load_state_dict(state, strict=False, assign=True)
+    # the RoPE frequencies are a non-persistent buffer (not in any state dict): computed for real here
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config)
+    unset = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if unset:
+        raise NotImplementedError(f"peer conversion left {unset[:3]} without our weights")
+    return model.eval()
 
 class _TokenTimes:
     """A transformers streamer that timestamps every new token (the first ``put`` is the prompt)."""
@@ -80,7 +92,7 @@ class HFGenerateRunner:
 
 
 class ReferenceRunner:
-    """The official ``dflash_generate`` (batch 1) with its own float32 drafter load."""
+    """The official ``dflash_generate`` (batch 1) with its own drafter load, in the target's dtype."""
 
     name = "dflash_reference"
 
@@ -89,7 +101,7 @@ class ReferenceRunner:
 
         self.target, self.stop_ids, self.block_len = hf_model, list(stop_ids), block_len
         self.draft = DFlashDraftModel.from_pretrained(str(draft_dir), attn_implementation="sdpa",
-                                                      dtype=torch.float32).eval()
+                                                      dtype=hf_model.dtype).eval()
 
     def __call__(self, prompt_ids: Sequence[int], params: SamplingParams, submitted_at: float) -> Timing:
         import dflash.model as reference
@@ -107,14 +119,27 @@ class ReferenceRunner:
 
 def available_peers(target: TargetModel, draft_dir: Path | None, stop_ids: Sequence[int]
                     ) -> tuple[dict[str, PeerFactory], list[str]]:
-    """Peer factories (block_len -> runner) that can run here, and notes for those that cannot."""
-    peers: dict[str, PeerFactory] = {}
+    """Peer factories (block_len -> runner) that can run here, and notes for those that cannot.
+
+    Nothing is built here: the first factory called builds the transformers model, the peers made while it is
+    alive share it, and it is freed with the last runner holding it (the harness drops a cell's runners)."""
     notes: list[str] = []
     try:
-        hf_model = to_transformers(target)
-    except (ImportError, NotImplementedError) as exc:
-        return peers, [f"transformers peers skipped: {exc}"]
-    peers[HFGenerateRunner.name] = lambda _block_len: HFGenerateRunner(hf_model, stop_ids)
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return {}, [f"transformers peers skipped: {exc}"]
+    if target.config.rope.kind != "default":
+        return {}, ["transformers peers skipped: peer conversion supports default RoPE only"]
+    alive: list[weakref.ref] = []
+
+    def hf_model():
+        model = alive[0]() if alive else None
+        if model is None:
+            model = to_transformers(target)
+            alive[:] = [weakref.ref(model)]
+        return model
+
+    peers: dict[str, PeerFactory] = {HFGenerateRunner.name: lambda _block_len: HFGenerateRunner(hf_model(), stop_ids)}
     if draft_dir is None:
         notes.append("dflash reference skipped: no drafter folder")
         return peers, notes
@@ -123,12 +148,5 @@ def available_peers(target: TargetModel, draft_dir: Path | None, stop_ids: Seque
     except ImportError:
         notes.append("dflash reference skipped: `pip install dflash==0.1.0` to compare against it")
         return peers, notes
-    cache: dict[int, Runner] = {}
-
-    def reference(block_len: int) -> Runner:
-        if block_len not in cache:
-            cache[block_len] = ReferenceRunner(hf_model, draft_dir, stop_ids, block_len)
-        return cache[block_len]
-
-    peers[ReferenceRunner.name] = reference
+    peers[ReferenceRunner.name] = lambda block_len: ReferenceRunner(hf_model(), draft_dir, stop_ids, block_len)
     return peers, notes

@@ -4,14 +4,106 @@ Row ``i`` of the cache holds the key/value of absolute position ``i``, so croppi
 accepted prefix is bookkeeping only: the next write at ``start`` overwrites the rejected rows,
 and attention reads keys ``[0, start + T)``. Buffers are allocated once; their addresses never
 change, which keeps the hot path free of allocation and capturable by CUDA graphs.
+
+``KVCachePlan`` is what a session's caches will take, computed from the configs before anything is
+allocated: start-up prints it and refuses a plan that does not fit (``runtime/memory.py``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
+
+
+def format_bytes(count: int) -> str:
+    """``3.52 GiB``, ``117.4 MiB`` or ``40.5 KiB``: the largest binary unit that keeps the figure >= 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}" if unit == "GiB" else f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """One network's slot caches: ``per_slot_buffers`` buffers of ``[layers, max_batch, kv_heads, max_seq_len +
+    extra_rows, head_dim]`` (K and V; a backend that also keeps gather buffers has 4) plus ``shared_buffers`` of one
+    slot's size that are not per slot (e.g. a plugin graph's prefix input)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    per_slot_buffers: int = 2
+    shared_buffers: int = 0
+    extra_rows: int = 1  # StaticKVCache's scratch row (pad_position)
+
+    @classmethod
+    def of(cls, config, dtype: torch.dtype, **buffers: int) -> CacheLayout:
+        """From a ``TargetConfig`` or ``DraftConfig`` (``num_layers``, ``num_kv_heads``, ``head_dim``)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, itemsize, **buffers)
+
+    @property
+    def bytes_per_position(self) -> int:
+        """``layers x kv_heads x head_dim x itemsize``: one slot's K (or V) row at one position."""
+        return self.layers * self.kv_heads * self.head_dim * self.itemsize
+
+    def bytes(self, max_batch: int, max_seq_len: int) -> int:
+        """``(per_slot_buffers x max_batch + shared_buffers) x (max_seq_len + extra_rows) x bytes_per_position``."""
+        return ((self.per_slot_buffers * max_batch + self.shared_buffers) * (max_seq_len + self.extra_rows)
+                * self.bytes_per_position)
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The target's and the drafter's caches at ``max_batch`` x ``max_seq_len`` in ``dtype`` on ``device``."""
+
+    target: CacheLayout
+    draft: CacheLayout | None
+    max_batch: int
+    max_seq_len: int
+    dtype: str
+    device: str = "cpu"
+
+    @property
+    def target_bytes(self) -> int:
+        return self.target.bytes(self.max_batch, self.max_seq_len)
+
+    @property
+    def draft_bytes(self) -> int:
+        return self.draft.bytes(self.max_batch, self.max_seq_len) if self.draft is not None else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.target_bytes + self.draft_bytes
+
+    def bytes_at(self, max_batch: int, max_seq_len: int) -> int:
+        layouts = [self.target] + ([self.draft] if self.draft is not None else [])
+        return sum(layout.bytes(max_batch, max_seq_len) for layout in layouts)
+
+    def largest_seq_len(self, budget: int) -> int:
+        """The largest ``max_seq_len`` whose caches fit ``budget`` bytes at this ``max_batch`` (0: none)."""
+        low, high = 0, self.max_seq_len
+        while low < high:  # bytes grow with the length: bisect for the last one that fits
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if self.bytes_at(self.max_batch, middle) <= budget else (low, middle - 1)
+        return low
+
+    def largest_batch(self, budget: int) -> int:
+        """The largest ``max_batch`` whose caches fit ``budget`` bytes at this ``max_seq_len`` (0: none)."""
+        return max((b for b in range(self.max_batch, 0, -1) if self.bytes_at(b, self.max_seq_len) <= budget),
+                   default=0)
+
+    def line(self) -> str:
+        """The start-up line: what is allocated, for which limits."""
+        draft = format_bytes(self.draft_bytes) if self.draft is not None else "none"
+        return (f"KV cache: target {format_bytes(self.target_bytes)} + drafter {draft} (max_batch {self.max_batch} x "
+                f"max_seq_len {self.max_seq_len}, dtype {self.dtype}"
+                + (f", on {self.device}" if self.device != "cpu" else "") + ")")
 
 
 class StaticKVCache:

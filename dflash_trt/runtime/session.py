@@ -22,6 +22,7 @@ from typing import Iterator, Literal, Sequence
 import torch
 
 from dflash_trt.builder.load import load_pair
+from dflash_trt.model.kv_cache import KVCachePlan
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import ConfigError, RequestError
@@ -35,6 +36,12 @@ from dflash_trt.runtime.stats import SpecStats
 from dflash_trt.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+DEFAULT_MAX_SEQ_LEN = 4096
+"""Context of a session when none is given, if the model allows that many positions. Every one of ``max_batch``
+slots preallocates its whole context (static caches, docs/style.md R5), so the default is a common serving
+context rather than the model's limit (40,960 positions for Qwen3: 8 slots of Qwen3-8B would take 45 GiB in
+bf16); ``--max-seq-len`` raises it up to the model's ``max_position_embeddings``."""
 
 EXIT_TIMEOUT_S = 30.0
 """How long closing a session left open at interpreter exit waits for its worker (one step, not a request)."""
@@ -86,10 +93,10 @@ class Session:
         limit = pair.target.config.max_position_embeddings
         if pair.draft is not None:  # the drafter's RoPE table covers its own max_position_embeddings
             limit = min(limit, pair.draft.config.max_position_embeddings)
-        self.max_seq_len = max_seq_len or min(limit, 8192)
+        self.max_seq_len = max_seq_len or min(limit, DEFAULT_MAX_SEQ_LEN)
         if self.max_seq_len > limit:
             raise RequestError(f"max_seq_len is {self.max_seq_len}; expected <= {limit}, the max_position_embeddings "
-                               "of the target (and drafter). Fix: pass a smaller --max-seq-len.")
+                               f"of the target (and drafter). Fix: pass --max-seq-len {limit} or less.")
         if device != "cpu":
             _check_device(device, backend)
             pair.target.to(device)
@@ -98,7 +105,11 @@ class Session:
         self.pair = pair
         self.engine = engine
         self.speculation = speculation or SpeculationConfig()
+        # the backend sizes its caches from these limits, refuses them when they do not fit the memory available
+        # (runtime/memory.py), then allocates them once
         self.backend = create_backend(backend, pair, self.max_seq_len, engine, max_batch)
+        self.kv_cache: KVCachePlan | None = getattr(self.backend, "kv_cache", None)
+        """What the caches take (``kv_cache.line()`` is the start-up line the commands print)."""
         self.tokenizer: Tokenizer | None = pair.tokenizer
         self.costs = CostModel()
         if self.backend.max_batch < max_batch:
@@ -138,9 +149,10 @@ class Session:
         engine = load_engine(engine_dir, backend)
         if max_seq_len is not None and max_seq_len > engine.max_seq_len:
             raise RequestError(f"max_seq_len is {max_seq_len}; expected <= {engine.max_seq_len}, the engine's "
-                               f"build limit. Fix: rebuild with --max-seq-len {max_seq_len}.")
-        return cls(engine.pair, backend=engine.backend, max_seq_len=max_seq_len or engine.max_seq_len, engine=engine,
-                   max_batch=max_batch, speculation=speculation)
+                               f"build limit. Fix: pass --max-seq-len {engine.max_seq_len} or less, or rebuild with "
+                               f"--max-seq-len {max_seq_len}.")
+        return cls(engine.pair, backend=engine.backend, engine=engine, max_batch=max_batch, speculation=speculation,
+                   max_seq_len=max_seq_len or min(engine.max_seq_len, DEFAULT_MAX_SEQ_LEN))
 
     @property
     def manifest_sha256(self) -> str | None:
@@ -361,6 +373,10 @@ class RequestHandle:
 
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def ended(self) -> bool:
+        """The session has delivered this request's last item (it no longer holds a slot), read or not yet."""
+        return self._ended.is_set()
 
     def __iter__(self) -> Iterator[StreamChunk]:
         return self._chunks(with_text=True)

@@ -57,6 +57,10 @@ def triton_group() -> None:
               help="Model instances (each loads its own Session).")
 @click.option("--max-batch-size", type=click.IntRange(min=0), default=8, show_default=True,
               help="Triton max_batch_size (0 = no batching, no batch dimension).")
+@click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
+              help="Each instance's longest prompt + output: every slot (--max-batch-size of them) preallocates a KV "
+                   "cache this long when the model loads (logged; refused when it does not fit). Default: min(the "
+                   "model's max_position_embeddings, 4096).")
 @click.option("--llmapi-repo", type=click.Path(file_okay=False, path_type=Path),
               help="Also write the TensorRT-LLM llmapi variant (model.yaml with the DFlash speculative_config) here; "
               "GPU + TensorRT-LLM only.")
@@ -66,8 +70,8 @@ def triton_group() -> None:
                    "loses) or static (always the full block).")
 @click.option("--force", is_flag=True, help="Replace existing model folders.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as one JSON object.")
-def export_command(engine, backend, target, draft, repo, name, streaming, instances, max_batch_size, llmapi_repo,
-                   llmapi_model, speculation, force, as_json) -> None:
+def export_command(engine, backend, target, draft, repo, name, streaming, instances, max_batch_size, max_seq_len,
+                   llmapi_repo, llmapi_model, speculation, force, as_json) -> None:
     """Write repo/NAME/config.pbtxt and repo/NAME/1/model.py (a thin python-backend model)."""
     from pydantic import ValidationError
 
@@ -77,7 +81,7 @@ def export_command(engine, backend, target, draft, repo, name, streaming, instan
     try:
         config = TritonExportConfig(repo=repo, name=name, engine=engine, backend=backend, target=target, draft=draft,
                                     streaming=streaming, speculation=speculation, instances=instances,
-                                    max_batch_size=max_batch_size,
+                                    max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                     force=force, llmapi_repo=llmapi_repo, llmapi_model=llmapi_model)
     except ValidationError as exc:
         if not exc.errors()[0]["loc"]:  # a rule across options: its message names them and the fix

@@ -74,6 +74,7 @@ PARAM_TARGET = "target_checkpoint"
 PARAM_DRAFT = "draft_checkpoint"
 PARAM_STREAMING = "streaming"
 PARAM_SPECULATION = "speculation"
+PARAM_MAX_SEQ_LEN = "max_seq_len"  # empty: the Session default, min(model positions, 4096)
 PARAM_VERSION = "dflash_trt_version"
 
 
@@ -91,6 +92,7 @@ class ModelSettings:
     target: str | None
     draft: str | None
     speculation: str = "auto"  # the Session's SpeculationConfig mode
+    max_seq_len: int | None = None  # each slot's context (KV cache length); None = the Session default
 
     @classmethod
     def from_model_config(cls, config: dict) -> ModelSettings:
@@ -107,6 +109,7 @@ class ModelSettings:
             target=params.get(PARAM_TARGET) or None,
             draft=params.get(PARAM_DRAFT) or None,
             speculation=params.get(PARAM_SPECULATION) or "auto",
+            max_seq_len=_max_seq_len(params.get(PARAM_MAX_SEQ_LEN, "")),
         )
 
     def policy_problem(self) -> str | None:
@@ -119,7 +122,16 @@ class ModelSettings:
                 f"{' --streaming' if self.streaming else ''}` instead of editing config.pbtxt by hand.")
 
 
-def open_session(settings: ModelSettings) -> Session:
+def _max_seq_len(text: str) -> int | None:
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise RequestError(f"parameter `{PARAM_MAX_SEQ_LEN}` is {text!r}; expected a positive integer. Fix: re-export "
+                           "with `dflash-trt triton export --max-seq-len N` instead of editing config.pbtxt by hand.")
+    return int(text)
+
+
+def open_session(settings: ModelSettings, announce=print) -> Session:
     """The Session a model instance serves: its engine folder (or checkpoints), batch size and policy. The stub
     process serves it until it exits, so what is loaded is then frozen out of the cyclic GC's reach
     (:func:`~dflash_trt.runtime.session.freeze_loaded_objects`: no full-collection stall mid-step)."""
@@ -129,10 +141,12 @@ def open_session(settings: ModelSettings) -> Session:
     policy = SpeculationConfig(mode=settings.speculation)
     if settings.engine_dir:
         session = Session.load(settings.engine_dir, settings.backend, max_batch=settings.max_batch,
-                               speculation=policy)
+                               max_seq_len=settings.max_seq_len, speculation=policy)
     else:
         session = Session.from_checkpoints(settings.target, settings.draft, max_batch=settings.max_batch,
-                                           speculation=policy)
+                                           max_seq_len=settings.max_seq_len, speculation=policy)
+    if session.kv_cache is not None:  # the instance's start-up line in the tritonserver log
+        announce(f"{settings.name}: {session.kv_cache.line()}")
     freeze_loaded_objects()
     return session
 

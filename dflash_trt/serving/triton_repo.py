@@ -45,6 +45,8 @@ class TritonExportConfig(BaseModel):
                                                    "design) or `static` (always block_len - 1).")
     instances: PositiveInt = Field(default=1, description="Model instances (instance_group count, KIND_CPU).")
     max_batch_size: NonNegativeInt = Field(default=8, description="Triton max_batch_size (0 = no batching).")
+    max_seq_len: PositiveInt | None = Field(default=None, description="Each instance's longest prompt + output (KV "
+                                            "cache length per slot); None = min(the model's positions, 4096).")
     max_queue_delay_us: NonNegativeInt = Field(default=1000, description="Dynamic batching queue delay.")
     force: bool = Field(default=False, description="Replace an existing repo/NAME folder.")
     llmapi_repo: Path | None = Field(default=None, description="Also write the TensorRT-LLM llmapi variant here.")
@@ -91,6 +93,8 @@ def model_parameters(config: TritonExportConfig) -> dict[str, str]:
 
     params = {io.PARAM_STREAMING: "true" if config.streaming else "false", io.PARAM_VERSION: __version__,
               io.PARAM_SPECULATION: config.speculation}
+    if config.max_seq_len is not None:
+        params[io.PARAM_MAX_SEQ_LEN] = str(config.max_seq_len)
     if config.engine is not None:
         params[io.PARAM_ENGINE] = str(config.engine.resolve())
         params[io.PARAM_BACKEND] = config.backend
@@ -248,6 +252,9 @@ def check_model_config(path: Path):
     speculation = params.get(io.PARAM_SPECULATION, "auto")
     if speculation not in ("auto", "static"):
         problems.append(f"parameter `{io.PARAM_SPECULATION}` is {speculation!r}, expected 'auto' or 'static'")
+    max_seq_len = params.get(io.PARAM_MAX_SEQ_LEN, "")
+    if max_seq_len and (not max_seq_len.isdigit() or int(max_seq_len) < 1):
+        problems.append(f"parameter `{io.PARAM_MAX_SEQ_LEN}` is {max_seq_len!r}, expected a positive integer")
     for kind, found, expected in (("input", cfg.input, io.INPUTS), ("output", cfg.output, io.OUTPUTS)):
         got = {(t.name, model_config_pb2.DataType.Name(t.data_type), tuple(t.dims)) for t in found}
         want = {(t.name, t.data_type, t.dims) for t in expected}

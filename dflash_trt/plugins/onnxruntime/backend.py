@@ -27,7 +27,9 @@ from torch import Tensor
 
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import BackendUnavailableError
+from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan
 from dflash_trt.plugins.interface import DraftRow, TargetRow
+from dflash_trt.runtime.memory import require_fit
 
 THREADS_ENV = "DFLASH_ORT_THREADS"
 """Intra-op threads of every session (unset: 1 for small models, else ONNX Runtime's default)."""
@@ -91,14 +93,25 @@ class OrtBackend:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         small = target_config.hidden_size < SMALL_MODEL_HIDDEN
-        session = open_session(target_graph, quant_mode, small)
-        shape = (max_batch, target_config.num_layers, target_config.num_kv_heads, max_seq_len, target_config.head_dim)
-        self._target = _InPlaceTarget(session, shape) if _in_place(session) else _Network(session, *shape)
-        self._draft = None
+        target_session = open_session(target_graph, quant_mode, small)
+        draft_session = None
         if draft_graph is not None and draft_config is not None:
-            session = open_session(draft_graph, quant_mode, small)
+            draft_session = open_session(draft_graph, quant_mode, small)
+        # sized before anything is allocated: in-place graphs own K and V; the others also keep gather buffers
+        layouts = [None if graph is None else CacheLayout.of(config, self.dtype, extra_rows=0,
+                                                             per_slot_buffers=2 if _in_place(graph) else 4)
+                   for config, graph in ((target_config, target_session), (draft_config, draft_session))]
+        dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_cache = KVCachePlan(layouts[0], layouts[1], max_batch, max_seq_len, dtype)
+        require_fit(self.kv_cache)
+        shape = (max_batch, target_config.num_layers, target_config.num_kv_heads, max_seq_len, target_config.head_dim)
+        self._target = (_InPlaceTarget(target_session, shape) if _in_place(target_session)
+                        else _Network(target_session, *shape))
+        self._draft = None
+        if draft_session is not None:
             shape = (max_batch, draft_config.num_layers, draft_config.num_kv_heads, max_seq_len, draft_config.head_dim)
-            self._draft = _InPlaceDrafter(session, shape) if _in_place(session) else _Network(session, *shape)
+            self._draft = (_InPlaceDrafter(draft_session, shape) if _in_place(draft_session)
+                           else _Network(draft_session, *shape))
 
     def reset_slot(self, slot: int) -> None:
         self._target.lengths[slot] = 0

@@ -24,7 +24,9 @@ import torch
 from torch import Tensor
 
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError
+from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan
 from dflash_trt.plugins.interface import DraftRow, TargetRow
+from dflash_trt.runtime.memory import require_fit
 
 
 class Plan(Protocol):
@@ -142,6 +144,13 @@ class TensorRTBackend:
         self._target, self._draft = plans
         device_ = torch.device(self.device)
         t = self.target_config
+        # _SlotCache: K, V and their gather buffers per slot, plus the plugin graph's prefix K and V (not per slot)
+        layouts = [None if config is None else CacheLayout.of(config, self.dtype, extra_rows=0, per_slot_buffers=4,
+                                                              shared_buffers=2)
+                   for config in (t, self.draft_config if self._draft is not None else None)]
+        dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_cache = KVCachePlan(layouts[0], layouts[1], max_batch, max_seq_len, dtype, self.device)
+        require_fit(self.kv_cache)  # before allocating, with the numbers (docs/style.md R5)
         self._target_cache = _SlotCache(max_batch, t.num_layers, t.num_kv_heads, max_seq_len, t.head_dim, device_)
         self._draft_cache = None
         if self.draft_config is not None and self._draft is not None:

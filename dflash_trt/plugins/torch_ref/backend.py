@@ -21,9 +21,11 @@ from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.plugins.interface import DraftRow, TargetRow
+from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
 from dflash_trt.plugins.torch_ref.graphs import COMPILERS, MAX_BUCKET_WIDTH, CompiledForwards, bucket
 from dflash_trt.plugins.torch_ref.threads import use_intra_op_threads
+from dflash_trt.runtime.memory import require_fit
 
 DEFAULT_COMPILER: str | None = None
 """Compiler of a backend when ``DFLASH_TORCH_COMPILE`` is unset (None: eager)."""
@@ -57,6 +59,10 @@ class TorchBackend:
         self.device = pair.target.embed_tokens.weight.device
         self.dtype = pair.target.embed_tokens.weight.dtype
         self.outputs_device = str(self.device)  # logits and taps stay where the model runs
+        self.kv_cache = KVCachePlan(CacheLayout.of(self.target_config, self.dtype),
+                                    CacheLayout.of(self.draft_config, self.dtype) if self.draft_config else None,
+                                    max_batch, max_seq_len, str(self.dtype).removeprefix("torch."), str(self.device))
+        require_fit(self.kv_cache)  # refuse with the numbers before allocating (docs/style.md R5)
         self.target_cache = pair.target.new_cache(max_batch, max_seq_len)
         self.draft_cache = pair.draft.new_cache(max_batch, max_seq_len) if pair.draft is not None else None
         if self.device.type == "cpu":  # by model size, DFLASH_TORCH_THREADS overrides (plugins/torch_ref/threads.py)

@@ -28,6 +28,8 @@ class ServeConfig(BaseModel):
     host: str = Field(default="127.0.0.1", description="Address to bind; 0.0.0.0 exposes the server to the network.")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port.")
     max_batch: PositiveInt = Field(default=8, description="Requests decoded together in one forward.")
+    max_seq_len: PositiveInt | None = Field(default=None, description="Longest prompt + output; sizes each slot's KV "
+                                            "cache (None = min(the model's positions, 4096)).")
     max_queue: int = Field(default=64, ge=0, description="Requests waiting beyond max_batch before 429s.")
     speculation: Literal["auto", "static", "off"] = Field(
         default="auto", description="auto: the cost-model policy; static: always draft block_len-1; off: plain "
@@ -49,8 +51,9 @@ class ServeConfig(BaseModel):
         return self
 
 
-def build_app(config: ServeConfig):
-    """Load the session and the chat template, and return the application (what ``serve`` runs)."""
+def build_app(config: ServeConfig, announce=None):
+    """Load the session and the chat template, and return the application (what ``serve`` runs);
+    ``announce(line)`` gets the session's KV cache line once it is allocated."""
     from dflash_trt.runtime.policy import SpeculationConfig
     from dflash_trt.runtime.session import Session
     from dflash_trt.serving.openai.app import ServedModel, create_app
@@ -58,12 +61,16 @@ def build_app(config: ServeConfig):
 
     policy = SpeculationConfig(mode="static" if config.speculation == "off" else config.speculation)
     if config.engine is not None:
-        session = Session.load(config.engine, config.backend, max_batch=config.max_batch, speculation=policy)
+        session = Session.load(config.engine, config.backend, max_batch=config.max_batch,
+                               max_seq_len=config.max_seq_len, speculation=policy)
         folders = [config.engine, config.engine / "tokenizer"]
     else:
-        session = Session.from_checkpoints(config.target, config.draft, max_batch=config.max_batch, speculation=policy)
+        session = Session.from_checkpoints(config.target, config.draft, max_batch=config.max_batch,
+                                           max_seq_len=config.max_seq_len, speculation=policy)
         target = session.pair.target_path
         folders = [target] if target.is_dir() else [target.parent]
+    if announce is not None and session.kv_cache is not None:
+        announce(session.kv_cache.line())
     template = ChatTemplate.for_checkpoint(folders, config.chat_template)
     pair = session.pair
     name = config.served_model_name or (config.engine.name if config.engine is not None else
@@ -86,7 +93,7 @@ def serve(config: ServeConfig, announce=print) -> None:
     import uvicorn
 
     listener = _listen(config.host, config.port)  # before loading: a busy port fails in a second, not after
-    app, model = build_app(config)
+    app, model = build_app(config, announce)
     from dflash_trt.runtime.session import freeze_loaded_objects
 
     freeze_loaded_objects()  # this process serves one session until it exits: no full GC scans of the weights
