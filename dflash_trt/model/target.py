@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_trt.config import TargetConfig
+from dflash_trt.model.frames import forward_in_frames, uses_frames
 from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
 from dflash_trt.model.layouts import TargetLayout
 from dflash_trt.model.kv_cache import StaticKVCache
@@ -141,7 +142,11 @@ class TargetModel(nn.Module):
             # a query at position p sees keys 0..p; padding queries (pad position) see everything
             keys = torch.arange(start.key_len, device=tokens.device)
             mask = (keys.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
-        logits, taps = self.run_layers(tokens, positions, cache, start, mask, write_positions, tap_ids, last_only)
+        if uses_frames(self.embed_tokens.weight.dtype):  # half precision: width-invariant (model/frames.py)
+            logits, taps = forward_in_frames(self, tokens, start, cache, tap_ids, last_only)
+        else:
+            logits, taps = self.run_layers(tokens, positions, cache, start, mask, write_positions, tap_ids,
+                                           last_only)
         if isinstance(start, int):
             cache.commit(start + tokens_len, batch)
         else:
@@ -158,6 +163,16 @@ class TargetModel(nn.Module):
         keys it returns under ``mask``. Shapes: tokens/positions ``[B, T]``; mask ``[B|1, 1, T, S]`` or None
         -> logits ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``), taps ``[B, T, L*H]`` or None.
         """
+        h, taps = self.hidden_states(tokens, positions, cache, where, mask, write_positions, tap_ids)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(self.norm(h)), taps
+
+    def hidden_states(self, tokens: Tensor, positions: Tensor, cache: KVStore, where: int | TargetLayout | None,
+                      mask: Tensor | None, write_positions: Tensor | None, tap_ids: tuple[int, ...] = ()
+                      ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`run_layers` before the final norm and LM head. Shapes: tokens/positions ``[B, T]`` -> the last
+        layer's output ``[B, T, H]``, taps ``[B, T, L*H]`` or None."""
         h = self.embed_tokens(tokens)
         cos, sin = self.rotary.lookup(positions, h.dtype)
         taps: dict[int, Tensor] = {}
@@ -166,11 +181,8 @@ class TargetModel(nn.Module):
             if index in tap_ids:
                 # hidden_states[N] in transformers (what the reference reads for id N-1) is final-normed
                 taps[index] = self.norm(h) if index == len(self.layers) - 1 else h
-        if last_only:
-            h = h[:, -1:]
-        logits = self.lm_head(self.norm(h))
         # concatenated in the order of tap_ids (docs/algorithm.md §2.3), which need not be sorted
-        return logits, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
+        return h, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
 
 
 def causal_mask(start: int, tokens: int, device: torch.device) -> Tensor | None:

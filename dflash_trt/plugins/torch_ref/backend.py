@@ -22,6 +22,7 @@ from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan
+from dflash_trt.model.frames import uses_frames
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
 from dflash_trt.plugins.torch_ref.graphs import COMPILERS, MAX_BUCKET_WIDTH, CompiledForwards, bucket
 from dflash_trt.plugins.torch_ref.threads import use_intra_op_threads
@@ -116,7 +117,9 @@ class TorchBackend:
     @torch.inference_mode()
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         width = max(len(r.tokens) for r in rows)
-        if self.graphs is not None and self.graphs.enabled and width <= MAX_BUCKET_WIDTH:
+        # half precision runs the target in frames (model/frames.py), which the compiled graphs do not
+        use_graphs = self.graphs is not None and self.graphs.enabled and not uses_frames(self.dtype)
+        if use_graphs and width <= MAX_BUCKET_WIDTH:
             compiled = self._target_compiled(rows, with_taps, bucket(len(rows)), bucket(width))
             if compiled is not None:
                 return compiled
