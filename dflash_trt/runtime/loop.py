@@ -16,7 +16,7 @@ from torch import Tensor
 
 from dflash_trt.config import SamplingParams
 from dflash_trt.plugins.interface import DraftRow, TargetRow
-from dflash_trt.runtime.sampling import argmax_rows, draw, sampling_probs
+from dflash_trt.runtime.sampling import argmax_rows, draw, is_greedy, sampling_probs
 from dflash_trt.runtime.verify import Verdict, accept_greedy, accept_onehot, accept_rejection
 
 
@@ -44,7 +44,7 @@ class RequestState:
                  stop_ids: frozenset[int], mask_token_id: int, generator: torch.Generator) -> None:
         self.slot, self.prompt_ids, self.params = slot, prompt_ids, params
         self.block_len, self.stop_ids, self.mask_token_id, self.generator = block_len, stop_ids, mask_token_id, generator
-        self.greedy = params.temperature <= 0
+        self.greedy = is_greedy(params.temperature)
         self.max_length = len(prompt_ids) + params.max_new_tokens
         self.start = len(prompt_ids)
         self.anchor = -1

@@ -3,6 +3,12 @@
 Everything is float32: divide by T, optional top-k, softmax, optional top-p (keep entries whose
 cumulative mass *before* them is ``< top_p``), renormalise, scatter back to the vocabulary.
 Draws use the request's own ``torch.Generator`` so a seed reproduces a request whatever else runs.
+
+Edges, as vLLM handles them: a temperature below ``GREEDY_BELOW`` (1e-5) is greedy (dividing float32 logits by
+1e-300 gives inf, and softmax of inf is NaN); the most likely token always survives top-p and top-k, so a
+``top_p`` that rounds to 0 in float32 (1e-300) keeps exactly that token. For every valid setting the result is
+a distribution (finite, non-negative, rows summing to 1); at T >= 1e-5 with a ``top_p`` that keeps the top token
+(every ``top_p`` >= 1.2e-38, float32's smallest normal) it is exactly the softmax described above.
 """
 
 from __future__ import annotations
@@ -11,8 +17,21 @@ import torch
 from torch import Tensor
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (vLLM's ``_SAMPLING_EPS``)."""
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a request at ``temperature`` decodes greedily (argmax, greedy verification): T < 1e-5, 0 and -0.0
+    included."""
+    return temperature < GREEDY_BELOW
+
+
 def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
-    """Shapes: logits ``[..., V]`` -> probabilities ``[..., V]`` (float32, rows sum to 1)."""
+    """Shapes: logits ``[..., V]`` -> probabilities ``[..., V]`` (float32, rows sum to 1). A greedy temperature
+    (:func:`is_greedy`) gives the one-hot distribution of the argmax: the limit of the softmax as T -> 0."""
+    if is_greedy(temperature):
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, argmax_rows(logits).unsqueeze(-1), 1.0)
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         # exactly k survivors (ties at the k-th value broken by topk's order, as the reference does)
@@ -22,7 +41,9 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        dropped = mass_before >= top_p
+        dropped[..., 0] = False  # the most likely token stays whatever top_p is (its mass before is 0 >= 0.0f)
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
