@@ -44,8 +44,7 @@ def _weights(entries: dict[str, TensorEntry]) -> dict[str, Any]:
 def _describe_drafter(path: Path) -> tuple[dict[str, Any], DraftConfig]:
     config = read_draft_config(path)
     entries = read_headers(safetensors_files(path))
-    with torch.device("meta"):  # the key table with shapes, no memory
-        check_draft_tensors(DraftHead(config), entries, str(path))
+    check_draft_tensors(DraftHead.without_weights(config), entries, str(path))  # the key table, no weights
     return ({"path": str(path), "kind": "drafter", "format": "z-lab DFlash (DFlashDraftModel)",
              "parameters": sum(e.numel for e in entries.values()), **_weights(entries),
              "config": config.model_dump(mode="json")}, config)
@@ -66,8 +65,7 @@ def _describe_target(path: Path) -> tuple[dict[str, Any], TargetConfig]:
                                 type(tokenizer).__name__ if tokenizer is not None else None, {}, params), model.config
         config = read_hf_target_config(path)
         entries = hf_target_entries(path)
-        with torch.device("meta"):
-            check_state_dict(expected_tensors(TargetModel(config)), entries, str(path))
+        check_state_dict(expected_tensors(TargetModel.without_weights(config)), entries, str(path))
         # tokenizer.json is named, not parsed (a 151k-token vocabulary costs more than every header)
         tokenizer = "HFTokenizer" if (path / "tokenizer.json").is_file() else None
         return _target_info(path, config, "HF safetensors", tokenizer, _weights(entries),

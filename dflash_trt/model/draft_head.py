@@ -28,6 +28,7 @@ from dflash_trt.config import DraftConfig
 from dflash_trt.model.block_attention import block_attention, block_mask, block_visibility, visible
 from dflash_trt.model.kv_cache import StaticKVCache
 from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+from dflash_trt.model.meta import meta_parameters
 from dflash_trt.model.layouts import DraftLayout
 
 Rope = tuple[Tensor, Tensor]  # cos, sin: [B, 1, T, d]
@@ -205,12 +206,10 @@ class DraftHead(nn.Module):
 
     @classmethod
     def without_weights(cls, cfg: DraftConfig, max_positions: int | None = None) -> DraftHead:
-        """The module tree with every parameter on the ``meta`` device (no memory, no random initialisation) and a
-        real RoPE table; ``builder/draft_checkpoint.py`` assigns each parameter its loaded tensor."""
-        with torch.device("meta"):
-            head = cls(cfg, max_positions)
-        head.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
-        return head
+        """The module tree with its weight matrices on the ``meta`` device (no memory, no random initialisation:
+        ``model/meta.py``) and a real RoPE table; ``builder/draft_checkpoint.py`` assigns each parameter its tensor."""
+        with meta_parameters():
+            return cls(cfg, max_positions)
 
     def new_cache(self, max_batch: int, max_len: int) -> StaticKVCache:
         cfg = self.config

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from dflash_trt.config import TargetConfig
 from dflash_trt.model.frames import forward_in_frames, uses_frames
 from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
+from dflash_trt.model.meta import meta_parameters
 from dflash_trt.model.layouts import TargetLayout
 from dflash_trt.model.kv_cache import StaticKVCache
 
@@ -100,14 +101,13 @@ class TargetModel(nn.Module):
 
     @classmethod
     def without_weights(cls, cfg: TargetConfig, max_positions: int | None = None) -> TargetModel:
-        """The module tree with every parameter on the ``meta`` device: no memory and no random initialisation
-        (which took 29.5 s of a 45 s load at 1.7B parameters). Only the RoPE table is real (computed, not loaded).
-        A loader then gives each parameter its tensor, in its final dtype, with ``load_state_dict(assign=True)``
-        (``builder/target_checkpoint.py``); ``state_dict()`` already names every tensor with its shape."""
-        with torch.device("meta"):
-            model = cls(cfg, max_positions)
-        model.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
-        return model
+        """The module tree with its weight matrices on the ``meta`` device: no memory and no random initialisation
+        (which took 29.5 s of a 45 s load at 1.7B parameters; ``model/meta.py``). The RoPE table is real (computed,
+        not loaded). A loader then gives each parameter its tensor, in its final dtype, with
+        ``load_state_dict(assign=True)`` (``builder/target_checkpoint.py``); ``state_dict()`` already names every
+        tensor with its shape."""
+        with meta_parameters():
+            return cls(cfg, max_positions)
 
     def new_cache(self, max_batch: int, max_len: int) -> StaticKVCache:
         cfg = self.config
