@@ -22,9 +22,10 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.runtime.session import Session
+from dflash_trt.tokenizer import text_limit
+from dflash_trt.runtime.session import RequestHandle, Session
 from dflash_trt.serving.openai.chat_template import ChatTemplate
-from dflash_trt.serving.openai.dispatcher import Dispatcher, Piece
+from dflash_trt.serving.openai.dispatcher import Dispatcher, Piece, Ticket
 from dflash_trt.serving.openai.prometheus import ServerMetrics
 from dflash_trt.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, RequestRefused, chunk_body,
                                                 completion_body, new_id, parse, spec_decoding, usage)
@@ -65,11 +66,29 @@ def create_app(session: Session, model: ServedModel, template: ChatTemplate, api
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        dispatcher.close()  # after the drain: every request admitted has finished
-        session.close()
+        dispatcher.close()  # after the drain: every request admitted has finished or been cancelled
+        session.close(cancel=True)  # anything still in the session has no client left
 
-    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # no 307 to the slash-less path: POST clients would have to follow it; both spellings are served instead
+    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
+                  redirect_slashes=False)
     app.state.dispatcher = dispatcher
+
+    def drain(timeout_s: float) -> None:
+        """Shutdown has begun: refuse new requests (503), and cancel what is still running after ``timeout_s``,
+        so every response ends (``finish_reason`` "cancelled") before the server's own deadline."""
+        if not dispatcher.draining:
+            dispatcher.draining = True
+            asyncio.get_running_loop().call_later(timeout_s, dispatcher.cancel_all)
+
+    app.state.drain = drain
+
+    def route(path: str, methods: list[str]):
+        def register(handler):
+            for spelling in (path, path + "/"):
+                app.add_api_route(spelling, handler, methods=methods, include_in_schema=False)
+            return handler
+        return register
     plain = model.speculation == "off"
 
     @app.exception_handler(RequestRefused)
@@ -93,37 +112,65 @@ def create_app(session: Session, model: ServedModel, template: ChatTemplate, api
         return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": None}},
                             status_code=500)
 
-    @app.get("/health")
+    @route("/health", ["GET", "HEAD"])
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model.id, "speculation": model.speculation, "running": dispatcher.running,
-                "waiting": dispatcher.waiting, "peak_running": dispatcher.peak_running}
+        return {"status": "draining" if dispatcher.draining else "ok", "model": model.id,
+                "speculation": model.speculation, "running": dispatcher.running, "waiting": dispatcher.waiting,
+                "tokenizing": dispatcher.tokenizing, "peak_running": dispatcher.peak_running}
 
-    @app.get("/metrics")
+    @route("/metrics", ["GET", "HEAD"])
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @route("/v1/models", ["GET", "HEAD"])
     async def models(request: Request) -> dict[str, Any]:
         _authorize(request, api_key)
         return {"object": "list", "data": [model.card(session.max_seq_len)]}
 
-    @app.post("/v1/completions")
+    @route("/v1/completions", ["POST"])
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await _json_body(request, api_key))
         _check_model(body.model, model.id)
         if not body.prompt:
             raise RequestRefused("field `prompt` is empty; expected text or at least one token id. Fix: send a "
                                  "non-empty prompt.", param="prompt")
-        ids = await _encode(session, body.prompt)
-        return await _answer(request, dispatcher, model.id, body, ids, COMPLETION_DEFAULT_MAX_TOKENS, plain, chat=False)
+        return await generate(request, body, body.prompt, "prompt", chat=False)
 
-    @app.post("/v1/chat/completions")
+    @route("/v1/chat/completions", ["POST"])
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await _json_body(request, api_key))
         _check_model(body.model, model.id)
-        ids = await _encode(session, template.render(body.messages))
-        room = max(session.max_seq_len - len(ids), 1)
-        return await _answer(request, dispatcher, model.id, body, ids, room, plain, chat=True)
+        _check_text(session, sum(len(m.text) for m in body.messages), "messages")  # before rendering it
+        return await generate(request, body, template.render(body.messages), "messages", chat=True)
+
+    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, prompt: str | list[int],
+                       field: str, chat: bool) -> Response:
+        """Checks that need no tokens, a place (429 past --max-queue), the prompt's ids (tokenized on a bounded
+        pool; a client that leaves meanwhile gives its place back), the token checks, then the request."""
+        body.sampling_params(1, plain)  # a bad sampling field is refused before any work
+        stops = body.stop_strings()
+        if isinstance(prompt, str):
+            _check_text(session, len(prompt), field)
+        ticket = dispatcher.admit()
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            ids = prompt if isinstance(prompt, list) else await dispatcher.tokenize(ticket, prompt, gone)
+            if ids is None:  # the client went away while its prompt was tokenized
+                gone.cancel()
+                ticket.release()
+                return Response(status_code=499)
+            if len(ids) >= session.max_seq_len:
+                raise RequestRefused(f"field `{field}` is {len(ids):,} tokens; expected fewer than the context length "
+                                     f"{session.max_seq_len:,} (room for at least one new token). Fix: shorten "
+                                     f"`{field}`.", param=field, code="context_length_exceeded")
+            room = session.max_seq_len - len(ids)
+            params = body.sampling_params(room if chat else COMPLETION_DEFAULT_MAX_TOKENS, plain)
+            handle = dispatcher.submit(ticket, list(ids), params)
+        except BaseException:
+            gone.cancel()
+            ticket.release()
+            raise
+        return await _answer(gone, dispatcher, ticket, handle, model.id, body, stops, chat)
 
     return app
 
@@ -162,47 +209,49 @@ def _check_model(requested: str, served: str) -> None:
                              kind="not_found_error")
 
 
-async def _encode(session: Session, prompt: str | list[int]) -> list[int]:
-    """Token ids of the prompt (text is tokenized on a worker thread: long prompts take a while)."""
-    if isinstance(prompt, list):
-        return prompt
-    return await asyncio.get_running_loop().run_in_executor(None, session.encode, prompt)
+def _check_text(session: Session, length: int, field: str) -> None:
+    """Refuse a text that cannot fit the context, by its length alone (before it is tokenized)."""
+    if session.tokenizer is None:
+        return  # Session.encode refuses text without a tokenizer
+    limit = text_limit(session.tokenizer, session.max_seq_len)
+    if length > limit:
+        raise RequestRefused(f"field `{field}` has {length:,} characters; expected at most {limit:,}: the context is "
+                             f"{session.max_seq_len:,} tokens and no token of this model covers more than "
+                             f"{session.tokenizer.max_chars_per_token} characters, so a longer text cannot fit. Fix: "
+                             f"shorten `{field}`.", param=field, code="context_length_exceeded")
 
 
-async def _answer(request: Request, dispatcher: Dispatcher, model_id: str, body: CompletionRequest |
-                  ChatCompletionRequest, ids: Sequence[int], default_max_tokens: int, plain: bool,
-                  chat: bool) -> Response:
-    params = body.sampling_params(default_max_tokens, plain)
-    stops = body.stop_strings()
-    ticket = dispatcher.admit()
-    try:
-        handle = dispatcher.submit(ticket, list(ids), params)
-    except BaseException:
-        ticket.release()
-        raise
+async def _answer(gone: asyncio.Future, dispatcher: Dispatcher, ticket: Ticket, handle: RequestHandle, model_id: str,
+                  body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...], chat: bool) -> Response:
     pieces = dispatcher.pieces(ticket, handle, stops)
     request_id = new_id("chatcmpl" if chat else "cmpl")
     if body.stream:
+        gone.cancel()  # the streaming response watches the connection itself
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_events(pieces, request_id, model_id, chat, include_usage),
                                  media_type="text/event-stream", background=BackgroundTask(ticket.release))
     collecting = asyncio.ensure_future(_collect(pieces))
-    gone = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if not collecting.done():  # the client went away: cancelling the read cancels the request
-        collecting.cancel()
+    try:
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not collecting.done():  # the client went away (or the server stops): cancelling the read cancels it
+            collecting.cancel()
+        gone.cancel()
+    if collecting.cancelled() or not collecting.done():
         return Response(status_code=499)
-    gone.cancel()
     text, finished = collecting.result()
     return JSONResponse(completion_body(request_id, model_id, text, finished, chat))
 
 
 async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, Any]:
     parts = []
-    async for piece in pieces:
-        parts.append(piece.text)
-        if piece.finished is not None:
-            return "".join(parts), piece.finished
+    try:
+        async for piece in pieces:
+            parts.append(piece.text)
+            if piece.finished is not None:
+                return "".join(parts), piece.finished
+    finally:
+        await pieces.aclose()  # releases the request's place now, not when the generator is collected
     raise RuntimeError("the request ended without a final chunk")  # only a cancelled request does, never here
 
 

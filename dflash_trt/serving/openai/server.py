@@ -1,7 +1,8 @@
 """``serve``: load a session and run the OpenAI-compatible server until SIGTERM or Ctrl-C (``dflash-trt serve``).
 
 Shutdown follows uvicorn's graceful path: stop accepting connections, let the requests in flight finish
-within ``drain_timeout_s``, close the session, exit 0.
+within ``drain_timeout_s`` (new ones get 503), cancel what is left then (tokenizing included), close the session,
+exit 0.
 """
 
 from __future__ import annotations
@@ -90,15 +91,12 @@ def serve(config: ServeConfig, announce=print) -> None:
     if missing:
         raise BackendUnavailableError(f"`dflash-trt serve` needs {', '.join(missing)}, which is not installed; "
                                       "expected the `serve` extra. Fix: pip install 'dflash-trt[serve]'.")
-    import uvicorn
-
     listener = _listen(config.host, config.port)  # before loading: a busy port fails in a second, not after
     app, model = build_app(config, announce)
     from dflash_trt.runtime.session import freeze_loaded_objects
 
     freeze_loaded_objects()  # this process serves one session until it exits: no full GC scans of the weights
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=config.drain_timeout_s))
+    server = draining_server(app, config.drain_timeout_s)
     host, port = listener.getsockname()[:2]
     announce(f"serving {model.id} on http://{host}:{port}/v1 (speculation {model.speculation}, block "
              f"{model.block_len}, max batch {model.max_batch}, queue {model.max_queue}, chat template "
@@ -109,6 +107,26 @@ def serve(config: ServeConfig, announce=print) -> None:
         signal.signal(sig, _drained)
     server.run(sockets=[listener])
     announce("stopped")
+
+
+DRAIN_GRACE_S = 3.0
+"""After the drain timeout the application cancels what is left; uvicorn's own deadline (which cancels handlers
+mid-flight and logs their tracebacks) comes this much later, as a backstop only."""
+
+
+def draining_server(app, drain_timeout_s: float, **options):
+    """A uvicorn server whose shutdown first tells the application (``app.state.drain``): new requests get 503,
+    and requests still running after ``drain_timeout_s`` are cancelled, so every response ends cleanly and the
+    process exits within the drain timeout plus one session step."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            app.state.drain(drain_timeout_s)
+            await super().shutdown(sockets)
+
+    options = {"log_level": "warning", "access_log": False, **options}
+    return Server(uvicorn.Config(app, timeout_graceful_shutdown=drain_timeout_s + DRAIN_GRACE_S, **options))
 
 
 def _listen(host: str, port: int) -> socket.socket:

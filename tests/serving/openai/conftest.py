@@ -14,7 +14,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from dflash_trt.serving.openai.server import ServeConfig, build_app
+from dflash_trt.serving.openai.server import ServeConfig, build_app, draining_server
 
 from ..conftest import free_port
 
@@ -25,8 +25,8 @@ MODEL = "stories260K"
 class Served:
     """A running server: its base URL, its config and the application's dispatcher (for its counters)."""
 
-    def __init__(self, url: str, config: ServeConfig, app) -> None:
-        self.url, self.config, self.app = url, config, app
+    def __init__(self, url: str, config: ServeConfig, app, server, thread: threading.Thread) -> None:
+        self.url, self.config, self.app, self.server, self.thread = url, config, app, server, thread
 
     @property
     def v1(self) -> str:
@@ -47,13 +47,12 @@ class Served:
 
 
 @contextmanager
-def served(**options) -> Iterator[Served]:
-    import uvicorn
-
-    config = ServeConfig(port=free_port(), **options)
+def served(drain_timeout_s: float = 10.0, **options) -> Iterator[Served]:
+    """The application of ``dflash-trt serve`` with ``options`` (ServeConfig fields), its shutdown included
+    (``server.should_exit = True`` starts the same drain as SIGTERM)."""
+    config = ServeConfig(port=free_port(), drain_timeout_s=drain_timeout_s, **options)
     app, _ = build_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=10))
+    server = draining_server(app, drain_timeout_s, host=config.host, port=config.port)
     thread = threading.Thread(target=server.run, name="openai-server", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{config.port}"
@@ -62,7 +61,7 @@ def served(**options) -> Iterator[Served]:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
     try:
-        yield Served(url, config, app)
+        yield Served(url, config, app, server, thread)
     finally:
         server.should_exit = True
         thread.join(30)

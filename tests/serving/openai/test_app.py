@@ -152,7 +152,7 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": 123}, "application/json", 400, "prompt", "valid"),
     ("completions", {"model": MODEL, "prompt": ""}, "application/json", 400, "prompt", "empty"),
     ("completions", {"model": MODEL, "prompt": [1, 99999]}, "application/json", 400, None, "vocabulary"),
-    ("completions", {"model": MODEL, "prompt": "Once upon a time " * 200}, "application/json", 400, None,
+    ("completions", {"model": MODEL, "prompt": "Once upon a time " * 200}, "application/json", 400, "prompt",
      "context length"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 600}, "application/json", 400, None,
      "context length"),
