@@ -127,6 +127,10 @@ def run(engine, backend, target, draft, prompt, prompt_ids, max_new_tokens, temp
     else:
         session = Session.from_checkpoints(target, draft, dtype=dtype, use_draft=not no_draft, device=device,
                                            max_seq_len=max_seq_len, speculation=SpeculationConfig(mode=speculation))
+    if prompt is not None and session.tokenizer is not None:  # refused by its length before it is tokenized
+        from dflash_trt.tokenizer import check_text_length
+
+        check_text_length(prompt, session.tokenizer, session.max_seq_len, "--prompt")
     request = prompt if prompt is not None else list(_parse_ids(prompt_ids, "--prompt-ids"))
     if stream and not as_json:
         for chunk in session.stream(request, params):

@@ -17,6 +17,7 @@ import numpy as np
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import RequestError
 from dflash_trt.runtime.stats import SpecStats
+from dflash_trt.tokenizer import check_text_length
 
 if TYPE_CHECKING:
     from dflash_trt.runtime.session import GenerationResult, Session, StreamChunk
@@ -171,6 +172,8 @@ class RequestParser:
         prompt = _scalar(read, "text_input", required=True)
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("input `text_input` is empty; expected a non-empty prompt. Fix: send some text.")
+        if self.session.tokenizer is not None:  # before it is tokenized: a text that cannot fit is refused by length
+            check_text_length(prompt, self.session.tokenizer, self.session.max_seq_len, "text_input")
         fields = {"max_new_tokens": _integer(read, "max_tokens", required=True)}
         for name in ("temperature", "top_p"):
             value = _scalar(read, name)
