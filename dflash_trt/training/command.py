@@ -25,6 +25,7 @@ Examples:
   dflash-trt train --target ./qwen3-tiny --prompts p.jsonl --num-openings 0 --mask-token-id 0 --epochs 2 --out tiny
   dflash-trt train --out drafters/taps --layers 2 --target-layer-ids 1,3 --seed 7
   dflash-trt train --out drafters/kl --init-draft drafters/stories-b16 --kl-weight 1 --lr 2e-3 --steps 3000
+  dflash-trt train --target ./Qwen3-8B --out drafters/q8 --layers 5 --world-size 8 --fsdp --dry-run
 """
 
 _EVAL_EXAMPLES = """
@@ -133,12 +134,17 @@ def build_train_config(**fields: object):
               "overwritten).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/state.pt (same flags and global batch; "
               "any number of ranks).")
+@click.option("--dry-run", is_flag=True, help="Print the memory plan per rank (target weights, drafter weights, "
+              "gradients, optimiser state, one micro-batch of activations) from config.json and the safetensors "
+              "headers, without loading any weight, and exit.")
+@click.option("--world-size", type=click.IntRange(min=1), default=None, help="With --dry-run: ranks to plan for. "
+              "Default: torchrun's WORLD_SIZE, else 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a summary.")
 def train_command(target, out, prompts, block_len, layers, intermediate_size, target_layer_ids, mask_token_id,
                   steps, epochs, seed, lr, batch_size, global_batch, max_anchors, labels, kl_weight, kl_temperature,
                   init_draft, num_openings, num_sampled, max_new_tokens, temperature, top_p, eval_prompts,
                   eval_max_new_tokens, checkpoint_every,
-                  threads, fsdp, bf16, force, resume, as_json) -> None:
+                  threads, fsdp, bf16, force, resume, dry_run, world_size, as_json) -> None:
     """Distil a DFlash drafter from a target by self-distillation (the target writes its own training data)."""
     import json
 
@@ -147,7 +153,11 @@ def train_command(target, out, prompts, block_len, layers, intermediate_size, ta
     from dflash_trt.training.run import train
     from dflash_trt.training.world import torchrun_env
 
-    check_out_folder(out, force=force, resume=resume)
+    if world_size is not None and not dry_run:
+        raise TrainingError(f"train: --world-size is {world_size} without --dry-run; expected it only to plan (a run "
+                            "takes its ranks from torchrun). Fix: add --dry-run, or drop --world-size.")
+    if not dry_run:
+        check_out_folder(out, force=force, resume=resume)
     config = build_train_config(
         target=target, out=out, block_len=block_len, layers=layers, intermediate_size=intermediate_size,
         target_layer_ids=parse_layer_ids(target_layer_ids),
@@ -158,8 +168,14 @@ def train_command(target, out, prompts, block_len, layers, intermediate_size, ta
         init_draft=init_draft, checkpoint_every=checkpoint_every, threads=threads,
         data={"prompts": prompts, "num_openings": num_openings, "num_sampled": num_sampled,
               "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p})
-    command = shlex.join(["dflash-trt", "train", *sys.argv[2:]]) if len(sys.argv) > 1 else "dflash-trt train"
     env = torchrun_env()
+    if dry_run:
+        from dflash_trt.training.memory_plan import plan_training_memory
+
+        plan = plan_training_memory(config, world_size or (env["WORLD_SIZE"] if env else 1))
+        click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else "\n".join(plan.lines()))
+        return
+    command = shlex.join(["dflash-trt", "train", *sys.argv[2:]]) if len(sys.argv) > 1 else "dflash-trt train"
     is_main = env is None or env["RANK"] == 0  # rank 0 alone shows progress and the summary
     recent: list[float] = []
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

@@ -10,6 +10,8 @@ Prompts that leave no room for ``max_new_tokens`` in the target's context are sk
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -76,9 +78,17 @@ def evaluate(target: TargetModel, draft: DraftHead, prompts: Sequence[str | Sequ
     ``temperature`` 0 is greedy (one run per prompt); above 0 every prompt runs ``seeds`` times.
     """
     block_len = block_len or draft.config.block_size
+    dtype = target.embed_tokens.weight.dtype
+    if draft.fc.weight.dtype != dtype:  # a drafter trained in float32 beside a half-precision target: served in
+        draft = copy.deepcopy(draft).to(dtype)  # the target's dtype, as `run` would (the caller's copy is left)
     pair = ModelPair(target.eval(), draft.eval(), tokenizer, target_path=None,  # type: ignore[arg-type]
                      draft_path=None)
-    session = Session(pair)
+    limit = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+    if tokenizer is not None or all(not isinstance(prompt, str) for prompt in prompts):
+        # the context the prompts need: the KV cache holds no position no request reaches
+        lengths = [len(tokenizer.encode(p) if isinstance(p, str) else p) for p in prompts]
+        limit = min(limit, max(lengths, default=0) + max_new_tokens) if lengths else limit
+    session = Session(pair, max_seq_len=max(limit, 1))
     repeats = seeds if temperature > 0 else 1
     total = SpecStats()
     per_prompt: list[float] = []

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dflash_trt import __version__
 from dflash_trt.builder.draft_checkpoint import load_draft_checkpoint, save_draft_checkpoint
-from dflash_trt.builder.load import embedded_target_path, load_target
+from dflash_trt.builder.load import embedded_target_path, load_target, resolve_dtype
 from dflash_trt.config import DraftConfig
 from dflash_trt.errors import TrainingError
 from dflash_trt.model.draft_head import DraftHead
@@ -58,6 +58,11 @@ def resolve_mask_token_id(config: TrainConfig, target: TargetModel, llama2c: boo
     raise TrainingError("train: field `mask_token_id` is None; expected the id of an unused (padded or special) row "
                         f"of the target embedding (vocab {target.config.vocab_size}). Fix: pass --mask-token-id ID "
                         "(Qwen3 uses 151669, `<|MASK|>`).")
+
+
+def target_dtype(path) -> torch.dtype:
+    """The dtype the frozen target is trained beside: its checkpoint's (float32 for a float32 or llama2.c one)."""
+    return resolve_dtype("auto", path)
 
 
 def settings_for(config: TrainConfig, steps: int, world: World) -> DistillSettings:
@@ -149,8 +154,9 @@ def _train(config: TrainConfig, world: World, resume: bool, command: str,
         raise TrainingError("train: field `bf16` is True but this process has no CUDA device; expected a GPU for "
                             "bf16 autocast. Fix: drop --bf16 on CPU.")
     target_path = config.target or embedded_target_path()
-    # a frozen target is only read, so under --bf16 it is held in bf16 (half the memory); the drafter stays float32
-    target, tokenizer = load_target(target_path, torch.bfloat16 if config.bf16 else torch.float32)
+    # a frozen target is only read: it is held in its checkpoint's dtype (bf16 under --bf16), never upcast, with no
+    # gradients; the drafter and its optimiser state are float32 (training/memory_plan.py counts all of it)
+    target, tokenizer = load_target(target_path, torch.bfloat16 if config.bf16 else target_dtype(target_path))
     target_sha256 = checkpoint_sha256(target_path)
     mask_token_id = resolve_mask_token_id(config, target, isinstance(tokenizer, Llama2cTokenizer))
     draft_config = draft_config_for(target.config, num_layers=config.layers, block_len=config.block_len,

@@ -115,9 +115,15 @@ class BlockLogits(nn.Module):
         self.head = head
 
     def forward(self, block_embeds: Tensor, taps: Tensor, anchors: Tensor, lm_head_weight: Tensor) -> Tensor:
-        """Shapes: block_embeds ``[b, J, B, H]``, taps ``[b, S, L*H]``, anchors ``[b, J]`` -> ``[b, J, B-1, V]``."""
-        hidden = self.head.forward_blocks(block_embeds, taps, anchors)
-        return self.head.logits(hidden[:, :, 1:], lm_head_weight)
+        """Shapes: block_embeds ``[b, J, B, H]``, taps ``[b, S, L*H]``, anchors ``[b, J]`` -> ``[b, J, B-1, V]``.
+
+        A target held in half precision lends its LM head as it is: the draft hidden states meet it in its
+        dtype (as under autocast) and the logits come back in the drafter's, so no float32 copy of the head
+        is made."""
+        hidden = self.head.forward_blocks(block_embeds, taps, anchors)[:, :, 1:]
+        if hidden.dtype == lm_head_weight.dtype:
+            return self.head.logits(hidden, lm_head_weight)
+        return self.head.logits(hidden.to(lm_head_weight.dtype), lm_head_weight).to(hidden.dtype)
 
 
 @dataclass(frozen=True)
@@ -237,15 +243,20 @@ class Distiller:
         blocks = torch.stack([block_token_ids(tokens[r], anchors[r], block_len, mask_id) for r in range(len(seqs))])
         tokens, anchors, blocks = tokens.to(self.device), anchors.to(self.device), blocks.to(self.device)
         valid_blocks = valid_blocks.to(self.device)
+        # the target's logits are needed at every position only for target labels or the KL term; otherwise the
+        # LM head runs on the last position alone ([b, 1, V] instead of [b, T, V])
+        every_position = self.settings.labels == "target" or self.settings.kl_weight > 0.0
         with torch.no_grad(), self.autocast():
             target_logits, taps = self.target(tokens, 0, self.target.new_cache(len(seqs), length),
-                                              cfg.target_layer_ids)
+                                              cfg.target_layer_ids, last_only=not every_position)
+        draft_dtype = self.head.fc.weight.dtype
+        taps = taps.to(draft_dtype)  # a half-precision target's taps enter the float32 drafter (a no-op otherwise)
         stream = tokens
         if self.settings.labels == "target":  # position p's label: the target's argmax after ids[:p]
             stream = torch.cat([tokens[:, :1], target_logits[:, :-1].argmax(-1)], dim=1)
         labels = torch.stack([block_labels(stream[r], anchors[r], block_len) for r in range(len(seqs))])
         embed = self.target.embed_tokens.weight
-        block_embeds = F.embedding(blocks, embed) * cfg.input_embedding_scale  # [b, J, B, H]
+        block_embeds = F.embedding(blocks, embed).to(draft_dtype) * cfg.input_embedding_scale  # [b, J, B, H]
         with self.autocast():
             logits = self.model(block_embeds, taps, anchors, self.target.lm_head.weight)  # [b, J, B-1, V]
         valid = valid_blocks.unsqueeze(-1).expand_as(labels).flatten(0, 1)  # [b*J, B-1]
