@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -194,11 +195,27 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def rebuild_hint(raw: dict) -> str:
-    """The rebuild command recorded in a (possibly unreadable) manifest dict, or a generic one."""
+def rebuild_hint(raw: dict, folder: Path | None = None) -> str:
+    """The rebuild command recorded in a (possibly unreadable) manifest dict, or a generic one; with ``folder``,
+    its ``--out`` names that folder (:func:`rebuild_command`)."""
     build = raw.get("build") if isinstance(raw, dict) else None
     command = build.get("command") if isinstance(build, dict) else None
-    return command if isinstance(command, str) and command else "dflash-trt build --out engines/NAME ..."
+    if not (isinstance(command, str) and command):
+        return f"dflash-trt build --out {folder if folder is not None else 'engines/NAME'} ..."
+    return command if folder is None else rebuild_command(command, folder)
+
+
+def rebuild_command(command: str, folder: Path) -> str:
+    """The recorded build ``command`` with its ``--out`` naming ``folder`` as it is now: an engine folder may have
+    been moved or copied since it was built, and the fix must rebuild it where it is."""
+    try:
+        parts = shlex.split(command)
+    except ValueError:  # not a command line we wrote: quoted as recorded
+        return command
+    if "--out" not in parts or parts.index("--out") + 1 >= len(parts):
+        return command
+    parts[parts.index("--out") + 1] = str(folder)
+    return shlex.join(parts)
 
 
 def read_manifest(folder: Path) -> Manifest:
@@ -228,14 +245,16 @@ def read_manifest(folder: Path) -> Manifest:
         raise IncompatibleEngineError(
             f"{path}: field `format_version` is {version!r}; this dflash-trt reads {list(SUPPORTED_FORMAT_VERSIONS)} "
             f"(it writes {FORMAT_VERSION}). The engine was written by dflash-trt {raw.get('package_version')!r}. "
-            f"Fix: rebuild it with this version: `{rebuild_hint(raw)}`, or install the dflash-trt that built it.")
+            f"Fix: rebuild it with this version: `{rebuild_hint(raw, folder)}`, or install the dflash-trt that built "
+            "it.")
     try:
         return Manifest.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise EngineFormatError(f"{path}: field `{where}` is {first.get('input')!r}: {first['msg']}. Fix: rebuild "
-                                f"the engine with `{rebuild_hint(raw)}`; never edit manifest.json by hand.") from None
+                                f"the engine with `{rebuild_hint(raw, folder)}`; never edit manifest.json by hand.") \
+            from None
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
@@ -247,6 +266,7 @@ def write_manifest(folder: Path, manifest: Manifest) -> Path:
 def artefact_file(folder: Path, relative: str, rebuild: str) -> Path:
     """``folder / relative`` once symbolic links are resolved, refused if it lies outside ``folder``."""
     path = folder / relative
+    rebuild = rebuild_command(rebuild, folder)
     resolved = path.resolve()
     if not resolved.is_relative_to(folder.resolve()):
         raise EngineFormatError(f"{path}: artefact `{relative}` resolves to {resolved}, outside the engine folder; "
@@ -259,14 +279,15 @@ def artefact_file(folder: Path, relative: str, rebuild: str) -> Path:
 def verify_artefacts(folder: Path, manifest: Manifest, roles: set[str] | None = None) -> None:
     """Recompute the sha256 of every artefact (or those with ``roles``); refuse naming the first bad file.
     Every artefact's location is checked before any file is opened."""
-    paths = {a.path: artefact_file(folder, a.path, manifest.build.command) for a in manifest.artefacts}
+    rebuild = rebuild_command(manifest.build.command, folder)
+    paths = {a.path: artefact_file(folder, a.path, rebuild) for a in manifest.artefacts}
     for artefact in manifest.artefacts:
         if roles is not None and artefact.role not in roles:
             continue
         path = paths[artefact.path]
         if not path.is_file():
             raise EngineFormatError(f"{path}: missing; the manifest lists `{artefact.path}` ({artefact.role}). "
-                                    f"Fix: rebuild the engine with `{manifest.build.command}`.")
+                                    f"Fix: rebuild the engine with `{rebuild}`.")
         size = path.stat().st_size
         digest = sha256_file(path) if size == artefact.bytes else None
         if digest != artefact.sha256:
@@ -274,7 +295,7 @@ def verify_artefacts(folder: Path, manifest: Manifest, roles: set[str] | None = 
             expected = f"{artefact.bytes} bytes" if digest is None else f"{artefact.sha256[:16]}…"
             raise EngineFormatError(f"{path}: artefact `{artefact.path}` has {found}; expected {expected} as recorded "
                                     "in manifest.json: the file was modified or corrupted after the build. Fix: "
-                                    f"rebuild the engine with `{manifest.build.command}`.")
+                                    f"rebuild the engine with `{rebuild}`.")
 
 
 def tool_versions() -> dict[str, str | None]:

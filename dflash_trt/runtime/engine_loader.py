@@ -17,7 +17,7 @@ import torch
 
 from dflash_trt.builder.load import load_draft
 from dflash_trt.model.pair import ModelPair
-from dflash_trt.builder.manifest import Manifest, artefact_file, read_manifest, verify_artefacts
+from dflash_trt.builder.manifest import Manifest, artefact_file, read_manifest, rebuild_command, verify_artefacts
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
 from dflash_trt.model.target import TargetModel
 from dflash_trt.plugins.registry import available_backends, backend_spec
@@ -36,7 +36,8 @@ class LoadedEngine:
         artefact = self.manifest.artefact(role)
         if artefact is None:
             raise EngineFormatError(f"{self.folder}: manifest has no `{role}` artefact; expected one for backend "
-                                    f"{self.backend!r}. Fix: rebuild with `{self.manifest.build.command}`.")
+                                    f"{self.backend!r}. Fix: rebuild with "
+                                    f"`{rebuild_command(self.manifest.build.command, self.folder)}`.")
         return artefact_file(self.folder, artefact.path, self.manifest.build.command)
 
     @property
@@ -90,21 +91,22 @@ def check_plugins(manifest: Manifest, folder: Path) -> None:
             found = f"{stamp.name} v{stamp.version} ABI {stamp.abi}"
             expected = f"v{schema.version} ABI {schema.abi}" if schema else "no such op in this dflash-trt"
             raise IncompatibleEngineError(f"{folder}: engine was built against plugin {found}; this dflash-trt has "
-                                          f"{expected}. Fix: rebuild with `{manifest.build.command}`.")
+                                          f"{expected}. Fix: rebuild with "
+                                          f"`{rebuild_command(manifest.build.command, folder)}`.")
 
 
 def _load_target(folder: Path, manifest: Manifest) -> TargetModel:
-    from dflash_trt.builder.safe_files import read_tensors
-    from dflash_trt.builder.target_checkpoint import load_checked
+    from dflash_trt.builder.safe_files import read_headers
+    from dflash_trt.builder.target_checkpoint import stream_target
 
     artefact = manifest.artefact("target_weights")
     if artefact is None:
         raise EngineFormatError(f"{folder}: manifest lists no `target_weights` artefact; expected torch/target."
-                                f"safetensors. Fix: rebuild with `{manifest.build.command}`.")
-    model = TargetModel(manifest.target_config)
+                                f"safetensors. Fix: rebuild with "
+                                f"`{rebuild_command(manifest.build.command, folder)}`.")
     path = artefact_file(folder, artefact.path, manifest.build.command)
-    load_checked(model, read_tensors([path]), str(path))
-    return model.eval()
+    # streamed: headers checked against the key table, then one tensor at a time (no random init, no second copy)
+    return stream_target(manifest.target_config, read_headers([path]), torch.float32, str(path))
 
 
 def _load_tokenizer(folder: Path, manifest: Manifest):

@@ -231,8 +231,9 @@ def _on_loop(loop: asyncio.AbstractEventLoop, callback, *arguments) -> None:
 
 def _shutting_down() -> RequestRefused:
     return RequestRefused("the server is shutting down; expected no new requests during the drain. Fix: retry "
-                          f"after {RETRY_AFTER_S} s against a running replica.", status=503, code="server_shutting_down",
-                          kind="service_unavailable_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+                          f"after {RETRY_AFTER_S} s against a running replica.", status=503,
+                          code="server_shutting_down", kind="service_unavailable_error",
+                          headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _consume(future: asyncio.Future) -> None:

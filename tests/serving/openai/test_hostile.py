@@ -329,3 +329,19 @@ def test_cli_serve_exits_0_on_sigterm_with_requests_in_flight(tmp_path):
     text = log_path.read_text()
     assert "Traceback" not in text and "ERROR" not in text, text
     assert "stopped" in text
+
+
+def test_a_moved_and_tampered_engine_folder_names_itself_in_the_fix(stories_engine, tmp_path):
+    import shutil
+
+    from dflash_trt.errors import EngineFormatError
+    from dflash_trt.runtime.session import Session
+
+    moved = tmp_path / "moved-engine"
+    shutil.copytree(stories_engine, moved)
+    with open(moved / "torch" / "target.safetensors", "ab") as tampered:
+        tampered.write(b"x")
+    with pytest.raises(EngineFormatError) as refused:
+        Session.load(moved, "torch")
+    fix = str(refused.value).split("Fix:")[1]
+    assert f"--out {moved} " in fix and str(stories_engine) not in fix
