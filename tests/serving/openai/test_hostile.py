@@ -10,6 +10,7 @@ tokenizing and generation in flight, HEAD, trailing slashes, malformed bodies, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Iterator
 
 import httpx
 import pytest
@@ -41,26 +43,37 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-@pytest.fixture(scope="module")
-def log():
-    """Every warning or error logged in this process while the module runs (uvicorn, asyncio, ours)."""
-    records = _Records()
-    logging.getLogger().addHandler(records)
-    uvicorn_error = logging.getLogger("uvicorn.error")
-    uvicorn_error.addHandler(records)  # uvicorn's loggers do not propagate when it configures them
+_LOGGERS = ("", "uvicorn", "uvicorn.error", "asyncio")
+
+
+@contextlib.contextmanager
+def _listening(records: _Records) -> Iterator[None]:
+    """``records`` gets what these loggers emit. Attached after the server is configured: uvicorn's Config
+    replaces the handlers of its loggers, and they do not propagate to the root."""
+    for name in _LOGGERS:
+        logging.getLogger(name).addHandler(records)
     try:
-        yield records
+        yield
     finally:
-        logging.getLogger().removeHandler(records)
-        uvicorn_error.removeHandler(records)
+        for name in _LOGGERS:
+            logging.getLogger(name).removeHandler(records)
+
+
+def _problems(records: _Records) -> list[str]:
+    return [f"{r.name}: {r.getMessage()}" for r in records.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+@pytest.fixture(scope="module")
+def log() -> _Records:
+    """Every warning or error logged while the module's servers run (uvicorn, asyncio, ours)."""
+    return _Records()
 
 
 @pytest.fixture(scope="module")
 def hostile(log):
-    with served(speculation="static", max_batch=MAX_BATCH, max_queue=MAX_QUEUE) as running:
+    with served(speculation="static", max_batch=MAX_BATCH, max_queue=MAX_QUEUE) as running, _listening(log):
         yield running
-    problems = [f"{r.name}: {r.getMessage()}" for r in log.records if r.exc_info or r.levelno >= logging.ERROR]
-    assert not problems, problems  # no traceback over the whole module
+    assert not _problems(log), _problems(log)  # no traceback over the whole module
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +273,7 @@ def test_drain_with_tokenizing_and_generation_in_flight_ends_every_response(log)
     in the tokenizer, a generation, queued requests) is cancelled and answered, and the server stops well before
     uvicorn's own deadline."""
     drain_s = 1.0
-    with served(drain_timeout_s=drain_s, speculation="off", max_batch=1, max_queue=4) as server:
+    with served(drain_timeout_s=drain_s, speculation="off", max_batch=1, max_queue=4) as server, _listening(log):
         with _Gate(server.app.state.dispatcher.session) as gate:
             async def run():
                 async with httpx.AsyncClient(base_url=server.v1, timeout=60) as client:
@@ -281,8 +294,7 @@ def test_drain_with_tokenizing_and_generation_in_flight_ends_every_response(log)
         assert {r.json()["choices"][0]["finish_reason"] for r in long} <= {"cancelled", "length"}
         assert "cancelled" in {r.json()["choices"][0]["finish_reason"] for r in long}
         assert text.status_code == 503 and text.json()["error"]["code"] == "server_shutting_down"
-    problems = [r.getMessage() for r in log.records if r.exc_info or r.levelno >= logging.ERROR]
-    assert not problems, problems
+    assert not _problems(log), _problems(log)
 
 
 def test_cli_serve_exits_0_on_sigterm_with_requests_in_flight(tmp_path):
