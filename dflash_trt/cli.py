@@ -228,6 +228,9 @@ Examples:
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port (0 = any free one).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
 @click.option("--max-seq-len", type=int, default=None, help=MAX_SEQ_LEN_HELP)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="float32",
+              show_default=True, help="With --target: weights, compute and KV cache dtype (auto: the checkpoint's; "
+              "bfloat16 halves the memory of both). An engine runs in the dtype it was built in.")
 @click.option("--max-queue", type=int, default=64, show_default=True, help="Waiting requests beyond --max-batch; "
               "more get 429 with Retry-After.")
 @click.option("--speculation", type=click.Choice(["auto", "static", "off"]), default="auto", show_default=True,
@@ -239,7 +242,7 @@ Examples:
               "checkpoint's tokenizer_config.json, else plain).")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True, help="Seconds in-flight requests "
               "get to finish after SIGTERM or Ctrl-C.")
-def serve(engine, backend, target, draft, host, port, max_batch, max_seq_len, max_queue, speculation, api_key,
+def serve(engine, backend, target, draft, host, port, max_batch, max_seq_len, dtype, max_queue, speculation, api_key,
           served_model_name, chat_template, drain_timeout) -> None:
     """Serve the OpenAI API (completions, chat, streaming, /metrics) with DFlash speculation."""
     from pydantic import ValidationError
@@ -248,7 +251,7 @@ def serve(engine, backend, target, draft, host, port, max_batch, max_seq_len, ma
 
     try:
         config = ServeConfig(engine=engine, backend=backend, target=target, draft=draft, host=host, port=port,
-                             max_batch=max_batch, max_seq_len=max_seq_len, max_queue=max_queue,
+                             max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, max_queue=max_queue,
                              speculation=speculation, api_key=api_key,
                              served_model_name=served_model_name, chat_template=chat_template,
                              drain_timeout_s=drain_timeout)

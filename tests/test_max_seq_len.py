@@ -49,13 +49,14 @@ def test_serve_refuses_a_zero_context_before_binding_or_loading():
     assert isinstance(result.exception, RequestError) and "max_seq_len" in str(result.exception)
 
 
-def test_serve_builds_its_session_with_the_context_and_announces_the_kv_cache():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_serve_builds_its_session_with_the_context_and_dtype_and_announces_the_kv_cache(dtype):
     pytest.importorskip("fastapi")
     from dflash_trt.serving.openai.server import ServeConfig, build_app
 
     lines: list[str] = []
-    app, model = build_app(ServeConfig(max_batch=2, max_seq_len=96), lines.append)
-    assert KV_LINE.search(lines[0]).groups() == ("2", "96", "float32")
+    app, model = build_app(ServeConfig(max_batch=2, max_seq_len=96, dtype=dtype), lines.append)
+    assert KV_LINE.search(lines[0]).groups() == ("2", "96", dtype)
 
 
 def test_triton_export_carries_the_context_to_the_model_and_a_hand_edited_one_is_refused(tmp_path):
@@ -97,8 +98,9 @@ def test_bench_sizes_its_context_by_the_longest_request_it_will_run():
 
 def test_bench_prints_both_sessions_kv_caches_at_the_context_its_requests_need(tmp_path):
     result = invoke("bench", "--datasets", "tinystories", "--num-prompts", "1", "--concurrency", "1",
-                    "--max-new-tokens", "4", "--no-peers", "--out", str(tmp_path))
+                    "--max-new-tokens", "4", "--no-peers", "--dtype", "bfloat16", "--out", str(tmp_path))
     assert result.exit_code == 0, result.output
     lines = KV_LINE.findall(result.output)
     assert len(lines) == 2 and lines[0] == lines[1]  # the static and the adaptive session
     assert 4 < int(lines[0][1]) < 512  # the longest prompt + 4, not the model's 512 positions
+    assert lines[0][2] == "bfloat16"

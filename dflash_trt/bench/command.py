@@ -49,6 +49,9 @@ def _numbers(text: str, kind, flag: str) -> tuple:
               help="Context of each session slot (prompt + output; the KV cache is sized by it and printed). Default: "
                    "what the benchmark's requests need, the longest prompt run plus --max-new-tokens (at most the "
                    "model's positions), so the caches hold no context that no request uses.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="float32",
+              show_default=True, help="With --target: weights, compute and KV cache dtype of our runtime and of the "
+              "transformers peer, which runs on the same tensors (auto: the checkpoint's).")
 @click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")
 @click.option("--no-peers", is_flag=True, help="Skip transformers generate() and the dflash reference.")
 @click.option("--no-adaptive", is_flag=True, help="Skip DFlash with the `auto` (cost-model) speculation policy.")
@@ -64,7 +67,7 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--api-key", default=None, help="With --endpoint: sent as `Authorization: Bearer KEY`.")
 @click.option("--ignore-eos", is_flag=True, help="With --endpoint: ask for exactly --max-new-tokens per request.")
 def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, concurrency, block_len, temperature,
-                  max_new_tokens, max_seq_len, gpu_hour_cost, no_peers, no_adaptive, repeats, seed, out, endpoints,
+                  max_new_tokens, max_seq_len, dtype, gpu_hour_cost, no_peers, no_adaptive, repeats, seed, out, endpoints,
                   request_rate, goodput, api_key, ignore_eos) -> None:
     """Benchmark DFlash against plain decoding in the same runtime, on the same requests (or, with --endpoint,
     live servers from the client side)."""
@@ -91,7 +94,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         gpu_hour_cost=gpu_hour_cost, peers=not no_peers, adaptive=not no_adaptive, repeats=repeats)
     max_batch = max(config.concurrency)
     prompt_sets = load_prompt_sets(config)
-    session = _open_session(target, draft, engine, max_batch, max_seq_len, prompt_sets, config)
+    session = _open_session(target, draft, engine, max_batch, max_seq_len, dtype, prompt_sets, config)
     click.echo(session.kv_cache.line(), err=True)
     adaptive = None
     if config.adaptive and session.pair.draft is not None:
@@ -129,7 +132,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
             click.echo(f"{'':>12} {cost_line(cell)}")
 
 
-def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None, prompt_sets, config):
+def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None, dtype: str, prompt_sets, config):
     """The benchmarked session, its context ``max_seq_len`` or what the requests need (``context_needed``)."""
     from dflash_trt.bench.harness import context_needed
     from dflash_trt.builder.load import load_pair
@@ -142,7 +145,7 @@ def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None
         pair, backend, limit = loaded.pair, loaded.backend, loaded.max_seq_len
     else:
         loaded, backend = None, "torch"
-        pair = load_pair(target, draft)
+        pair = load_pair(target, draft, dtype=dtype)
         limit = pair.target.config.max_position_embeddings
         if pair.draft is not None:
             limit = min(limit, pair.draft.config.max_position_embeddings)

@@ -45,13 +45,13 @@ def to_transformers(target: TargetModel):
     else:
         hf_config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     hf_config.architectures = [cls.__name__]
-    with torch.device("meta"):  # no storage, no random init: every parameter is replaced by ours below
+    from dflash_trt.model.meta import meta_parameters
+
+    with meta_parameters():  # no storage, no random init: every parameter is replaced by ours below
         model = cls(hf_config)
     state = {("lm_head.weight" if name == "lm_head.weight" else f"model.{name}"): tensor
              for name, tensor in target.state_dict().items()}
     model.load_state_dict(state, strict=False, assign=True)
-    # the RoPE frequencies are a non-persistent buffer (not in any state dict): computed for real here
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config)
     unset = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
     if unset:
         raise NotImplementedError(f"peer conversion left {unset[:3]} without our weights")

@@ -58,11 +58,12 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
     context = max(min(CONTEXT, max_seq_len - block_len - 1), 0)
     taps = min(TAPS, context)
     device = getattr(backend, "device", torch.device("cpu"))
+    dtype = getattr(backend, "dtype", torch.float32)  # taps come in the runtime dtype, as the target returns them
     slots = range(backend.max_batch)
     if context:
         backend.target_batch([TargetRow(slot, [0] * context, 0, last_only=True) for slot in slots], has_drafter)
     if has_drafter and context:  # the draft caches take in the same scratch context
-        backend.draft_batch([DraftRow(slot, [0, 0], torch.zeros(context, taps_width, device=device), context)
+        backend.draft_batch([DraftRow(slot, [0, 0], torch.zeros(context, taps_width, dtype=dtype, device=device), context)
                              for slot in slots])
 
     def restore() -> None:
@@ -74,7 +75,7 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
             rows = [TargetRow(slot, [0] * width, context) for slot in range(batch)]
             costs.calibrate("verify", batch, width, _timed(lambda: backend.target_batch(rows, has_drafter), restore))
             if has_drafter and width > 1:
-                drafts = [DraftRow(slot, [0] * width, torch.zeros(taps, taps_width, device=device), context)
+                drafts = [DraftRow(slot, [0] * width, torch.zeros(taps, taps_width, dtype=dtype, device=device), context)
                           for slot in range(batch)]
                 costs.calibrate("draft", batch, width, _timed(lambda: backend.draft_batch(drafts), restore))
     for slot in slots:

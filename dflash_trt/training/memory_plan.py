@@ -61,8 +61,9 @@ class TrainingMemoryPlan:
 def drafter_parameters(config: DraftConfig) -> int:
     """Parameters the drafter trains (the embedding and LM head are the target's): counted on the meta device."""
     from dflash_trt.model.draft_head import DraftHead
+    from dflash_trt.model.meta import meta_parameters
 
-    with torch.device("meta"):
+    with meta_parameters():
         return sum(p.numel() for p in DraftHead(config).parameters())
 
 

@@ -31,6 +31,8 @@ class ServeConfig(BaseModel):
     max_batch: PositiveInt = Field(default=8, description="Requests decoded together in one forward.")
     max_seq_len: PositiveInt | None = Field(default=None, description="Longest prompt + output; sizes each slot's KV "
                                             "cache (None = min(the model's positions, 4096)).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Weights, compute and KV cache dtype of checkpoints (auto: the checkpoint's).")
     max_queue: int = Field(default=64, ge=0, description="Requests waiting beyond max_batch before 429s.")
     speculation: Literal["auto", "static", "off"] = Field(
         default="auto", description="auto: the cost-model policy; static: always draft block_len-1; off: plain "
@@ -67,7 +69,7 @@ def build_app(config: ServeConfig, announce=None):
         folders = [config.engine, config.engine / "tokenizer"]
     else:
         session = Session.from_checkpoints(config.target, config.draft, max_batch=config.max_batch,
-                                           max_seq_len=config.max_seq_len, speculation=policy)
+                                           max_seq_len=config.max_seq_len, dtype=config.dtype, speculation=policy)
         target = session.pair.target_path
         folders = [target] if target.is_dir() else [target.parent]
     if announce is not None and session.kv_cache is not None:
