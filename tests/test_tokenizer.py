@@ -132,3 +132,22 @@ def test_the_character_bound_never_refuses_text_that_fits(tok512):
     rng = random.Random(3)
     for line in rng.sample(_shipped_lines(), 200):
         assert len(line) + 1 <= (len(tok512.encode(line)) - 1) * tok512.max_chars_per_token
+
+
+def test_tokenizer_json_bound_covers_its_longest_piece(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from dflash_trt.tokenizer import HFTokenizer
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer, trained.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    lines = _shipped_lines()[:200]
+    trained.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>"]))
+    trained.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    longest = max(map(len, trained.get_vocab(with_added_tokens=True)))
+    assert tokenizer.max_chars_per_token == 4 * longest
+    for line in lines[:50]:  # the bound holds on real text
+        assert len(line) <= len(tokenizer.encode(line)) * tokenizer.max_chars_per_token
+    with pytest.raises(RequestError, match="`messages` has 4,001 characters"):
+        check_text_length("a" * 4001, tokenizer, 4000 // tokenizer.max_chars_per_token, "messages")
