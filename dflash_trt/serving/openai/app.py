@@ -3,7 +3,11 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events with
 ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). With an API key,
 every ``/v1`` route needs ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open for probes
-and scrapers. Every refusal is an OpenAI error object with a 4xx status; a 500 means a bug of ours.
+and scrapers. Every refusal is an OpenAI error object with a 4xx status; a 500 means a bug of ours. ``GET``
+routes answer ``HEAD``; every route is served with or without a trailing slash (no redirect).
+
+A text prompt is refused by its length before it is tokenized, then by its token count; it is tokenized after
+its request has taken a place (so it counts against ``--max-queue``), on the dispatcher's tokenizer threads.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from dflash_trt.errors import DFlashError
-from dflash_trt.tokenizer import text_limit
 from dflash_trt.runtime.session import RequestHandle, Session
 from dflash_trt.serving.openai.chat_template import ChatTemplate
 from dflash_trt.serving.openai.dispatcher import Dispatcher, Piece, Ticket
 from dflash_trt.serving.openai.prometheus import ServerMetrics
 from dflash_trt.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, RequestRefused, chunk_body,
                                                 completion_body, new_id, parse, spec_decoding, usage)
+from dflash_trt.tokenizer import text_limit
 
 MAX_BODY_BYTES = 8 << 20
 """Bodies past this are refused while they arrive (413), not buffered whole."""
@@ -84,11 +88,13 @@ def create_app(session: Session, model: ServedModel, template: ChatTemplate, api
     app.state.drain = drain
 
     def route(path: str, methods: list[str]):
+        """Register ``handler`` at ``path`` and ``path/``."""
         def register(handler):
             for spelling in (path, path + "/"):
                 app.add_api_route(spelling, handler, methods=methods, include_in_schema=False)
             return handler
         return register
+
     plain = model.speculation == "off"
 
     @app.exception_handler(RequestRefused)
