@@ -2,8 +2,10 @@
 
 Admission: up to ``max_batch`` requests decode together in the session and up to ``max_queue`` more wait;
 one more is refused at once (``429`` with ``Retry-After``), so an overloaded server answers quickly instead
-of queueing without bound. A request counts as *waiting* until its first token, then *running* until its
-response ends.
+of queueing without bound. A request takes its place before its prompt is tokenized (on ``TOKENIZER_THREADS``
+threads), and counts as *waiting* until its first token, then *running* while the session decodes it (until the
+session delivers its last token: so ``running`` never exceeds ``max_batch``, however slowly its response is read).
+At shutdown (``cancel_all``, the drain's deadline) every admitted request is cancelled or refused with 503.
 
 Each request's chunks are read from its ``RequestHandle`` by a thread of a pool sized to the admission limit,
 which hands them to the event loop as they arrive (the event loop never blocks). A request whose client goes
