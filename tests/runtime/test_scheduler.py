@@ -107,11 +107,19 @@ def test_speculation_policies_are_lossless(zoo, mode):
     handles = [session.submit(p, s) for p, s in requests]
     plain = [session.submit(p, s.model_copy(update={"block_len": 1})) for p, s in requests]
     results = [h.result() for h in handles]
-    assert [r.token_ids for r in results] == [h.result().token_ids for h in plain]
-    used = set()
-    for r in results:
-        used |= {int(k) for k in r.stats.to_dict()["draft_lens_used"]}
-    assert used <= {0, 1, 2, 3}
+    plain_results = [h.result() for h in plain]
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain_results]
+    assert all(set(r.stats.draft_lens_used) == {0} for r in plain_results)  # the reference never drafted
+    drafted = [sum(n for k, n in r.stats.draft_lens_used.items() if k) for r in results]
+    for result in results:
+        assert set(result.stats.draft_lens_used) <= {0, 1, 2, 3}  # block_len 4: at most 3 drafts a cycle
+    if mode == "static":
+        # A request with a second token had a cycle after its prefill; with at most 4 requests active the
+        # schedule allows >= 1 draft and no acceptance rate exists yet, so that cycle drafted.
+        assert all(n >= 1 for n, r in zip(drafted, results) if len(r.token_ids) >= 2)
+        assert any(len(r.token_ids) >= 2 for r in results)
+    else:
+        assert any(drafted)  # the session's first plan explores with a full block
 
 
 def test_auto_policy_explores_then_drops_an_always_rejected_drafter_losslessly(zoo):
