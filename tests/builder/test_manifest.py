@@ -97,7 +97,8 @@ def test_tensorrt_without_plans_is_unavailable_and_names_the_gpu_need(engine_cop
     _edit_manifest(engine_copy, lambda raw: raw.update(backends=["tensorrt", "torch"]))
     with pytest.raises(BackendUnavailableError, match="no TensorRT plans"):
         Session.load(engine_copy, "tensorrt")
-    assert Session.load(engine_copy).backend is not None  # auto falls back to torch
+    session = Session.load(engine_copy)  # auto skips the unrunnable tensorrt entry and falls back to torch
+    assert session.engine.backend == "torch" and session.backend.name == "torch"
 
 
 def test_not_an_engine_folder(tmp_path):
