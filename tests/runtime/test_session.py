@@ -138,7 +138,10 @@ def test_chunks_carry_when_the_worker_handed_them_over_not_when_they_were_read(s
 
     submitted = time.perf_counter()
     handle = session.submit(PROMPT, SamplingParams(max_new_tokens=8, stop_token_ids=()))
-    time.sleep(0.5)  # the tiny request is done long before anyone reads it
+    deadline = time.monotonic() + 60
+    while not handle.ended():  # every chunk is handed over before anyone reads one
+        assert time.monotonic() < deadline, "the request did not end within 60 s"
+        time.sleep(0.001)
     read_at = time.perf_counter()
     arrivals = [chunk.arrived_at for chunk in handle]
     assert len(arrivals) >= 2 and arrivals == sorted(arrivals)
