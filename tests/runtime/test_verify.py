@@ -1,7 +1,11 @@
 """Acceptance math (dflash_trt/runtime/verify.py, docs/algorithm.md §3.3-3.4) against brute-force Python loops.
 
-Each rule is re-implemented here as the slowest obvious loop over draft slots: compare, stop at
-the first reject, pick the bonus. The randomised rules consume the generator in a documented
+Greedy acceptance is checked against its definition, not a copy of its loop: every candidate count
+``n`` is tried and the largest whose drafts all equal the target's choices wins (argmax taken by
+plain Python over the row's floats), and the verdict must satisfy the rule's properties (accepted
+drafts are the target's own tokens, the first rejected draft differs, the bonus is the target's
+choice after the prefix). The randomised rules are re-implemented as the slowest obvious loop
+over draft slots: compare, stop at the first reject, pick the bonus. They consume the generator in a documented
 order (one-hot: one draw per target row, all rows at once; rejection: ``K`` uniforms, then one
 draw for the bonus), so the reference replays the same random numbers from a cloned generator and
 the comparison is exact. Hypothesis is derandomized: the same examples run every time.
@@ -21,15 +25,18 @@ FAST = settings(max_examples=150, deadline=None, derandomize=True, database=None
 # ----------------------------------------------------------------------------- brute-force references
 
 
+def python_argmax(row: list[float]) -> int:
+    """The first index of the largest value, by plain Python (no torch, no numpy)."""
+    return max(range(len(row)), key=row.__getitem__)
+
+
 def greedy_reference(drafts: list[int], target_logits: torch.Tensor) -> Verdict:
-    """acc = longest prefix with x_k == argmax(row k-1); bonus = argmax(row acc)."""
-    targets = [int(row.argmax()) for row in target_logits]
-    accepted = 0
-    for k, draft in enumerate(drafts):
-        if draft != targets[k]:
-            break
-        accepted += 1
-    return Verdict(accepted, targets[accepted])
+    """acc = the largest n in 0..K with x_1..x_n == y_0..y_{n-1}, y_k = argmax(row k); bonus = y_acc.
+
+    Every n is tried (no early exit), so this does not share the implementation's loop."""
+    choices = [python_argmax(row) for row in target_logits.tolist()]
+    accepted = max(n for n in range(len(drafts) + 1) if drafts[:n] == choices[:n])
+    return Verdict(accepted, choices[accepted])
 
 
 def onehot_reference(drafts: list[int], target_probs: torch.Tensor, generator: torch.Generator) -> Verdict:
@@ -106,6 +113,20 @@ def test_accept_greedy_matches_bruteforce_prefix_rule(cycle):
 
 
 @FAST
+@given(cycles())
+def test_accept_greedy_commits_what_plain_greedy_decoding_would(cycle):
+    """Lossless, stated as properties: the committed ``accepted + 1`` tokens are the target's own greedy
+    choices y_0..y_acc, and the prefix is maximal (the next draft, if any, differs from y_acc)."""
+    drafts, _, target_logits = cycle
+    draft_ids = drafts.tolist()
+    choices = [python_argmax(row) for row in target_logits.tolist()]
+    verdict = accept_greedy(drafts, target_logits)
+    assert 0 <= verdict.accepted <= len(draft_ids)
+    assert draft_ids[:verdict.accepted] + [verdict.bonus] == choices[:verdict.accepted + 1]
+    assert verdict.accepted == len(draft_ids) or draft_ids[verdict.accepted] != choices[verdict.accepted]
+
+
+@FAST
 @given(cycles(), st.integers(0, 2**31 - 1))
 def test_accept_onehot_matches_bruteforce_with_same_random_draws(cycle, seed):
     drafts, _, target_logits = cycle
@@ -128,13 +149,24 @@ def test_accept_rejection_matches_bruteforce_with_same_random_draws(cycle, seed)
 
 @FAST
 @given(cycles(), st.integers(0, 2**31 - 1))
-def test_randomised_rules_reproduce_under_the_same_seed(cycle, seed):
+def test_randomised_rules_draw_only_from_the_request_generator(cycle, seed):
+    """A request's seed reproduces it whatever else runs (runtime/sampling.py): the rules advance the
+    generator they are given and never read or advance torch's global one, so the verdict does not depend
+    on the global seed."""
     drafts, draft_probs, target_logits = cycle
     target_probs = torch.softmax(target_logits, -1)
-    first, second = generator_pair(seed)
-    assert accept_onehot(drafts, target_probs, first) == accept_onehot(drafts, target_probs, second)
-    assert (accept_rejection(drafts, draft_probs, target_probs, first)
-            == accept_rejection(drafts, draft_probs, target_probs, second))
+    for rule in (lambda g: accept_onehot(drafts, target_probs, g),
+                 lambda g: accept_rejection(drafts, draft_probs, target_probs, g)):
+        verdicts = set()
+        for global_seed in (0, 1):
+            torch.manual_seed(global_seed)
+            global_state = torch.get_rng_state()
+            generator = torch.Generator().manual_seed(seed)
+            request_state = generator.get_state()
+            verdicts.add(rule(generator))
+            assert torch.equal(torch.get_rng_state(), global_state)  # the global generator untouched
+            assert not torch.equal(generator.get_state(), request_state)  # the request's generator drew
+        assert len(verdicts) == 1
 
 
 # ----------------------------------------------------------------------------- edge cases
@@ -160,6 +192,13 @@ def test_greedy_all_accepted_takes_bonus_from_last_row():
 def test_greedy_first_rejected_emits_target_argmax_of_row_zero():
     logits = torch.tensor([[5.0, 0, 0, 0], [0, 5.0, 0, 0], [0, 0, 5.0, 0]])
     assert accept_greedy(torch.tensor([3, 1]), logits) == Verdict(0, 0)
+
+
+def test_greedy_checks_draft_slot_k_against_target_row_k_minus_1():
+    """Drafts equal to the argmax of their *own* row (one row late) are all rejected."""
+    logits = torch.tensor([[0, 5.0, 0, 0], [0, 0, 5.0, 0], [0, 0, 0, 5.0], [5.0, 0, 0, 0]])  # argmax 1, 2, 3, 0
+    assert accept_greedy(torch.tensor([2, 3, 0]), logits) == Verdict(0, 1)
+    assert accept_greedy(torch.tensor([1, 2, 0]), logits) == Verdict(2, 3)
 
 
 def test_greedy_stops_at_first_mismatch_even_if_later_slots_match():
