@@ -312,11 +312,6 @@ class DraftHead(nn.Module):
         every key is visible (full bidirectional layers)."""
         return block_mask(start, tokens, causal, self._window(windowed), device)
 
-    def sliding_mask(self, start: int, tokens: int, device: torch.device) -> Tensor | None:
-        """The mask of this drafter's sliding layers (None if it has none)."""
-        kinds = [kind for kind in self.mask_kinds if kind[1]]
-        return self.block_mask(start, tokens, *kinds[0], device) if kinds else None
-
     def layout_masks(self, layout: DraftLayout, queries: Tensor) -> dict[tuple[bool, bool], Tensor]:
         """Masks ``[B, 1, T, key_len]`` of a batched call: each row sees keys ``< start + Bc`` of its own,
         under its layer's rule. Padding queries see every key (finite, unused)."""

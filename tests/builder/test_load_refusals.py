@@ -470,6 +470,12 @@ def _sliding(layer_types, window, is_causal=None) -> Callable[[dict], None]:
     return edit
 
 
+def _sliding_layers_mask(head):
+    """The mask the drafter's sliding layers get for a block of 3 at positions 4..6 (keys 0..6)."""
+    (kind,) = [kind for kind in head.mask_kinds if kind[1]]  # (causal, windowed) of the sliding layers
+    return head.block_mask(4, 3, *kind, torch.device("cpu"))
+
+
 def test_sliding_window_layers_are_causal_in_block_with_a_window(draft_dir, tmp_path):
     folder = clone(draft_dir, tmp_path / "d", _sliding(["sliding_attention", "full_attention"], 3))
     head = load_draft(folder)
@@ -479,7 +485,7 @@ def test_sliding_window_layers_are_causal_in_block_with_a_window(draft_dir, tmp_
     expected = torch.tensor([[0, 0, 1, 1, 1, 0, 0],
                              [0, 0, 0, 1, 1, 1, 0],
                              [0, 0, 0, 0, 1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(head.sliding_mask(4, 3, torch.device("cpu"))[0, 0], expected)
+    assert torch.equal(_sliding_layers_mask(head)[0, 0], expected)
 
 
 def test_is_causal_false_makes_sliding_layers_bidirectional_in_block(draft_dir, tmp_path):
@@ -488,11 +494,13 @@ def test_is_causal_false_makes_sliding_layers_bidirectional_in_block(draft_dir, 
     expected = torch.tensor([[0, 0, 1, 1, 1, 1, 1],
                              [0, 0, 0, 1, 1, 1, 1],
                              [0, 0, 0, 0, 1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(head.sliding_mask(4, 3, torch.device("cpu"))[0, 0], expected)
+    assert torch.equal(_sliding_layers_mask(head)[0, 0], expected)
 
 
 def test_full_attention_drafter_has_no_mask(draft_dir):
-    assert load_draft(draft_dir).sliding_mask(4, 3, torch.device("cpu")) is None
+    head = load_draft(draft_dir)
+    assert head.mask_kinds == {(False, False)}  # bidirectional, no window: no sliding layer
+    assert head.block_mask(4, 3, False, False, torch.device("cpu")) is None
 
 
 def test_layer_kinds_derive_from_use_sliding_window_without_layer_types(draft_dir, tmp_path):

@@ -101,9 +101,6 @@ class TorchBackend:
         self.draft_cache.crop(start)
         return logits[0]
 
-    def crop_target(self, length: int) -> None:
-        self.target_cache.crop(length)
-
     # ----------------------------------------------------------------- batched (any slots)
 
     def reset_slot(self, slot: int) -> None:
