@@ -171,3 +171,19 @@ def test_inspect_checks_every_target_tensor_shape_against_the_header(tmp_path):
     _rewrite(shard, lambda t: t.update({k: v[:-1] for k, v in t.items() if k == name}))
     with pytest.raises(CheckpointFormatError, match=rf"tensor `{name.removeprefix('model.')}` has shape"):
         describe_checkpoint(tmp_path / "t")
+
+
+def test_dtype_auto_is_the_checkpoints_own(tmp_path):
+    from dflash_trt.builder.load import checkpoint_dtype, embedded_target_path, load_pair, resolve_dtype
+
+    write_sharded_target(tmp_path / "t")
+    assert checkpoint_dtype(tmp_path / "t") == "bfloat16"  # config.json torch_dtype
+    raw = json.loads((tmp_path / "t" / "config.json").read_text())
+    raw.pop("dtype", None), raw.pop("torch_dtype", None)
+    (tmp_path / "t" / "config.json").write_text(json.dumps(raw))
+    assert checkpoint_dtype(tmp_path / "t") == "bfloat16"  # from the safetensors headers
+    assert checkpoint_dtype(embedded_target_path()) == "float32"  # llama2.c
+    pair = load_pair(tmp_path / "t", None, dtype="auto", use_draft=False)
+    assert {p.dtype for p in pair.target.parameters()} == {torch.bfloat16}
+    with pytest.raises(CheckpointFormatError, match=r"dtype is 'fp8'; expected one of \['auto', 'float32'"):
+        resolve_dtype("fp8")
