@@ -333,7 +333,7 @@ def write_bundle(work: Path, final: Path, sources: BundleSources, quantization, 
     if sources.quantized is not None:  # the ModelOpt export TRT-LLM reads natively
         outcomes = _place_folder(sources.quantized, bundle / "target")
         checks["trtllm_target"] = _describe(outcomes, f"quantized target ({quantization.quant_algo}, ModelOpt format)",
-                                            sources.quantized)
+                                            Path("quant/target"))
     elif sources.target.is_dir() and (sources.target / "config.json").is_file():
         outcomes = _place_folder(sources.target, bundle / "target")
         checks["trtllm_target"] = _describe(outcomes, "target", sources.target)

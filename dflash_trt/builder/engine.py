@@ -22,6 +22,7 @@ Layout::
 
 from __future__ import annotations
 
+import json
 import resource
 import shlex
 import shutil
@@ -33,11 +34,10 @@ from typing import Callable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
-from safetensors.torch import save_file
 
 import dflash_trt
 from dflash_trt.builder.bundle_trtllm import TrtLlmBuildOptions
-from dflash_trt.builder.load import embedded_draft_path, embedded_target_path, load_pair
+from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.builder.manifest import (
     FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, Manifest, QuantName,
@@ -141,6 +141,19 @@ class BuildReport:
         return self.manifest.pending
 
 
+_DIGESTS: dict[tuple[int, int, int, int], str] = {}
+
+
+def _sha256(path: Path) -> str:
+    """``sha256_file``, once per file: a hard-linked artefact (a bundle's checkpoint files) is the source file itself,
+    so its digest is not computed twice. Keyed by device, inode, size and modification time."""
+    stat = path.stat()
+    key = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = sha256_file(path)
+    return _DIGESTS[key]
+
+
 def _hash_sources(path: Path | None) -> SourceRecord | None:
     if path is None:
         return None
@@ -149,7 +162,7 @@ def _hash_sources(path: Path | None) -> SourceRecord | None:
     if path.is_file():  # a llama2.c model: its tokenizer sits beside it
         files += [p for p in (path.with_name("tok512.bin"), path.with_name("tokenizer.bin")) if p.is_file()]
     base = path.parent if path.is_file() else path
-    return SourceRecord(path=str(path), files={str(p.relative_to(base)): sha256_file(p) for p in files})
+    return SourceRecord(path=str(path), files={str(p.relative_to(base)): _sha256(p) for p in files})
 
 
 def _tokenizer_file(target: Path) -> tuple[str, Path] | None:
@@ -166,22 +179,66 @@ def _tokenizer_file(target: Path) -> tuple[str, Path] | None:
     return ("llama2c", found) if found is not None else None
 
 
-def _write_torch_weights(pair: ModelPair, work: Path) -> None:
-    """float32 safetensors of the (possibly quantized-then-dequantized) target and the z-lab drafter folder."""
-    from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
+def _write_weights(source, expected: dict, file: Path, source_name: str, key=lambda name: name) -> None:
+    """``file``: every tensor ``expected`` names, read from ``source`` one at a time (``key`` maps our name to the
+    source's), checked (names, shapes, finite) and written in its stored dtype. Memory: one tensor."""
+    from dflash_trt.builder.target_checkpoint import check_state_dict, refuse_non_finite
+    from dflash_trt.builder.tensor_stream import SafetensorsWriter
 
-    (work / "torch").mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().to(torch.float32).contiguous() for name, t in pair.target.state_dict().items()}
-    if pair.target.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # shares the embedding; safetensors refuses aliased tensors
-    save_file(state, str(work / "torch" / "target.safetensors"), metadata={"format": "pt"})
-    if pair.draft is not None:
-        save_draft_checkpoint(pair.draft, work / "torch" / "draft", torch.float32)
+    specs = {name: source.specs[key(name)] for name in expected if key(name) in source.specs}
+    found = {name: _Shape(shape) for name, (_, shape) in specs.items()}
+    check_state_dict(expected, found | {k: _Shape(source.specs[k][1]) for k in _unknown(source, expected, key)},
+                     source_name)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with SafetensorsWriter(file, [(name, dtype, tuple(shape)) for name, (dtype, shape) in specs.items()],
+                           metadata={"format": "pt"}) as out:
+        for name in specs:
+            tensor = source.get(key(name))
+            refuse_non_finite({name: tensor}, source_name)
+            out.write(name, tensor)
+            del tensor
+
+
+@dataclass(frozen=True)
+class _Shape:
+    shape: tuple[int, ...]
+
+
+def _unknown(source, expected: dict, key) -> list[str]:
+    """Source tensors no expected name maps to (refused by ``check_state_dict``, naming them)."""
+    mapped = {key(name) for name in expected}
+    return [k for k in source.specs if k not in mapped and not k.endswith("rotary_emb.inv_freq")]
+
+
+def _write_engine_weights(target_source, target_cfg, draft_path: Path | None, draft_cfg, folder: Path,
+                          target_name: str) -> None:
+    """``folder/target.safetensors`` (our tensor names) and ``folder/draft/`` (z-lab config.json + model.safetensors),
+    each tensor in the dtype it is stored in: the torch backend loads them, the graphs read them as external data."""
+    from dflash_trt.builder.draft_checkpoint import draft_config_json
+    from dflash_trt.builder.target_checkpoint import expected_tensors
+    from dflash_trt.builder.tensor_stream import TensorSource
+    from dflash_trt.model.draft_head import DraftHead
+    from dflash_trt.model.target import TargetModel
+
+    def key(name: str) -> str:
+        return name if name in target_source.specs else ("model." + name if not name.startswith("lm_head") else name)
+
+    _write_weights(target_source, expected_tensors(TargetModel.without_weights(target_cfg)),
+                   folder / "target.safetensors", target_name, key)
+    if draft_path is None:
+        return
+    source = TensorSource.from_folder(draft_path)
+    _write_weights(source, DraftHead.without_weights(draft_cfg).state_dict(), folder / "draft" / "model.safetensors",
+                   str(draft_path))
+    dtype = next(iter(source.specs.values()))[0] if source.specs else torch.float32
+    (folder / "draft" / "config.json").write_text(json.dumps(
+        draft_config_json(draft_cfg, str(dtype).removeprefix("torch.")), indent=2) + "\n")
 
 
 def _role_of(relative: str, drafter_graph: str) -> str:
     """Artefact role from the fixed layout above (the builder wrote these names itself)."""
-    table = {"torch/target.safetensors": "target_weights", "onnx/target.onnx": "target_graph",
+    table = {"torch/target.safetensors": "target_weights", "onnx/target.safetensors": "target_weights",
+             "onnx/target.onnx": "target_graph",
              "onnx/target_step.onnx": "target_graph",
              "onnx/draft.onnx": "draft_graph", "onnx/draft_step.onnx": "draft_graph",
              "onnx/draft_plugin.onnx": "draft_graph_plugin",
@@ -189,7 +246,8 @@ def _role_of(relative: str, drafter_graph: str) -> str:
              "trtllm/llm_api_options.yaml": "trtllm_config", "quantization.json": "quant_config"}
     if relative in table:
         return table[relative]
-    prefixes = [("torch/draft/", "draft_weights"), ("quant/target/", "quant_target"), ("tokenizer/", "tokenizer"),
+    prefixes = [("torch/draft/", "draft_weights"), ("onnx/draft/", "draft_weights"), ("quant/target/", "quant_target"),
+                ("tokenizer/", "tokenizer"),
                 ("onnx/", "graph_weights"), ("tensorrt/csrc/", "plugin_source"), ("tensorrt/", "plugin_library"),
                 ("trtllm/target/", "trtllm_target"),
                 ("trtllm/draft/", "trtllm_draft")]
@@ -201,7 +259,7 @@ def _artefacts(work: Path, drafter_graph: str) -> tuple[Artefact, ...]:
     for path in sorted(p for p in work.rglob("*") if p.is_file() and p.name != STAGING_MARKER):
         relative = path.relative_to(work).as_posix()
         role = _role_of(relative, drafter_graph)
-        rows.append(Artefact(path=relative, sha256=sha256_file(path), bytes=path.stat().st_size, role=role,
+        rows.append(Artefact(path=relative, sha256=_sha256(path), bytes=path.stat().st_size, role=role,
                              backends=_ROLES_BACKENDS[role]))
     return tuple(rows)
 
@@ -266,23 +324,6 @@ def _quantize(target: Path, cfg, tokenizer, mode: str, work: Path) -> tuple[Path
                                 "(weight-only emulation); input_scale is stored for FP8/FP4 GEMMs on a GPU",
                  "calibration": f"{calibration.shape[0]} x {calibration.shape[1]} tokens, one layer at a time"})
     return folder, quantization
-
-
-def _dequantized_target(folder: Path):
-    """The quantized export as a plain float32 ``TargetModel`` (the weights dequantized from the stored tensors)."""
-    from dflash_trt.builder import quantized_checkpoint as qc
-    from dflash_trt.builder.target_checkpoint import load_checked
-    from dflash_trt.model.target import TargetModel
-
-    restored, _ = qc.load_quantized_target(folder, activations="float")
-    cfg = restored.config
-    plain = TargetModel(cfg)
-    weights = {k: v for k, v in restored.state_dict().items() if not k.endswith(".input_scale")}
-    if cfg.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    del restored
-    load_checked(plain, weights, str(folder))
-    return plain.eval()
 
 
 def _checkpoint_configs(target: Path, draft: Path | None):
@@ -376,10 +417,13 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
         quantized, quantization = step(f"quantize ({config.quant})", lambda: _quantize(
             target_path, target_cfg, _read_tokenizer(tokenizer), config.quant, work))
     pair = None
-    if config.backend != "trtllm":  # the bundle reads no weight it does not rewrite
-        pair = step("load checkpoints", lambda: _load_for_graphs(config, quantized, target_path, draft_path,
-                                                                         tokenizer))
-        step("write torch weights", lambda: _write_torch_weights(pair, work))
+    if config.backend != "trtllm":  # weights streamed into the engine in their stored dtype; graphs traced hollow
+        graphs = config.backend in ("onnxruntime", "tensorrt")
+        folder = work / ("onnx" if graphs else "torch")
+        source = _dequantizing_source(quantized) if quantized is not None else _target_source(target_path)
+        step("write weights", lambda: _write_engine_weights(source, target_cfg, draft_path, draft_cfg, folder,
+                                                            str(quantized or target_path)))
+        pair = _hollow_pair(target_cfg, draft_cfg, _read_tokenizer(tokenizer), target_path, draft_path)
     tokenizer_record = None
     if tokenizer is not None:
         kind, file = tokenizer
@@ -390,7 +434,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
         tokenizer_record = TokenizerRecord(kind=kind, path=f"tokenizer/{file.name}")
 
     backends: list[BackendName] = ["torch"] if pair is not None else []
-    stored_dtype = "float32"
+    stored_dtype = _dtype_name(work / "torch" / "target.safetensors") if config.backend == "torch" else "float32"
     pending: list[str] = []
     checks: dict[str, str] = {}
     plugins = ()
@@ -399,6 +443,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     if config.backend in ("onnxruntime", "tensorrt"):
         drafter_graph = config.drafter_graph
         plugins = _export_graphs(pair, work, limits, config.backend, drafter_graph, step)
+        stored_dtype = _dtype_name(work / "onnx" / "target.safetensors")
         backends.append("onnxruntime")
     if config.backend == "tensorrt":
         from dflash_trt.builder import build_trt
@@ -443,18 +488,6 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     return step("hash artefacts, write manifest", finish)
 
 
-def _load_for_graphs(config: BuildConfig, quantized: Path | None, target_path: Path, draft_path: Path | None,
-                     tokenizer) -> ModelPair:
-    """The float32 pair the torch weights and the graphs are written from; a quantized build's target is its export,
-    dequantized (the original checkpoint is not loaded again)."""
-    if quantized is None:
-        return load_pair(config.target, config.draft, dtype="float32")
-    from dflash_trt.builder.load import load_draft
-
-    draft = load_draft(draft_path, torch.float32) if draft_path is not None else None
-    return ModelPair(_dequantized_target(quantized), draft, _read_tokenizer(tokenizer), target_path, draft_path)
-
-
 def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_graph: str, step) -> tuple:
     """The target graph plus the drafter graph(s): ONNX Runtime gets ``target_step.onnx`` and, for the standard
     variant, ``draft_step.onnx`` (both update their KV caches in place; ``draft.onnx`` for a drafter with sliding-window
@@ -466,20 +499,94 @@ def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_gr
 
     onnx_dir = work / "onnx"
     taps = pair.draft.config.target_layer_ids if pair.draft is not None else ()
+    target_weights, draft_weights = _graph_weights(onnx_dir, pair)
     if backend == "onnxruntime":
         step("export target ONNX", lambda: export_step_target(pair.target, taps, onnx_dir / "target_step.onnx",
-                                                              limits))
+                                                              limits, target_weights))
     else:
-        step("export target ONNX", lambda: export_target(pair.target, taps, onnx_dir / "target.onnx", limits))
+        step("export target ONNX", lambda: export_target(pair.target, taps, onnx_dir / "target.onnx", limits,
+                                                         target_weights))
     if pair.draft is None:
         return ()
     variants = ["standard", "plugin"] if backend == "tensorrt" else [drafter_graph]
     if backend == "onnxruntime" and drafter_graph == "standard" and in_place_drafter(pair.draft):
         step("export drafter ONNX (standard)", lambda: export_step_draft(pair.draft, pair.target,
-                                                                         onnx_dir / "draft_step.onnx", limits))
+                                                                         onnx_dir / "draft_step.onnx", limits,
+                                                                         draft_weights))
         return ()
     for variant in variants:
         name = "draft_plugin.onnx" if variant == "plugin" else "draft.onnx"
         step(f"export drafter ONNX ({variant})", lambda name=name, variant=variant: export_draft(
-            pair.draft, pair.target, onnx_dir / name, limits, plugin=variant == "plugin"))
+            pair.draft, pair.target, onnx_dir / name, limits, plugin=variant == "plugin", weights=draft_weights))
     return (PluginStamp(**BLOCK_ATTENTION.stamp()),) if "plugin" in variants else ()
+
+
+def _graph_weights(onnx_dir: Path, pair: ModelPair) -> tuple[dict, dict]:
+    """Graph parameter name -> stored tensor, for the target graph and the drafter graphs: both read the target's
+    ``target.safetensors`` (the drafter borrows its embedding and LM head from there: stored once), the drafter's
+    own layers come from ``draft/model.safetensors``."""
+    from dflash_trt.builder.export_onnx import stored_tensors
+    from dflash_trt.builder.safe_files import read_header
+
+    names = list(read_header(onnx_dir / "target.safetensors"))
+    target = {f"model.{name}": name for name in names}
+    head = "lm_head.weight" if "lm_head.weight" in names else "embed_tokens.weight"  # tied: the embedding
+    target["model.lm_head.weight"] = head
+    target_weights = stored_tensors(onnx_dir / "target.safetensors", "target.safetensors", target)
+    if pair.draft is None:
+        return target_weights, {}
+    borrowed = stored_tensors(onnx_dir / "target.safetensors", "target.safetensors",
+                              {"embed": "embed_tokens.weight", "lm_head": head})
+    own = {f"head.{name}": name for name in read_header(onnx_dir / "draft" / "model.safetensors")}
+    return target_weights, borrowed | stored_tensors(onnx_dir / "draft" / "model.safetensors",
+                                                     "draft/model.safetensors", own)
+
+
+def _hollow_pair(target_cfg, draft_cfg, tokenizer, target_path: Path, draft_path: Path | None) -> ModelPair:
+    """The pair's module trees with no weights (``export_onnx.hollow``): what the graphs are traced from."""
+    from dflash_trt.builder.export_onnx import hollow
+    from dflash_trt.model.draft_head import DraftHead
+    from dflash_trt.model.target import TargetModel
+
+    target = hollow(TargetModel.without_weights(target_cfg)).eval()
+    draft = hollow(DraftHead.without_weights(draft_cfg)).eval() if draft_cfg is not None else None
+    return ModelPair(target, draft, tokenizer, target_path, draft_path)
+
+
+def _dtype_name(file: Path) -> str:
+    """The dtype the float weights of an engine's weight file are stored in (its embedding's)."""
+    from dflash_trt.builder.safe_files import read_header
+
+    dtype = read_header(file)["embed_tokens.weight"].dtype
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
+def _dequantizing_source(folder: Path):
+    """A quantized export read back as float tensors under HF names: each quantized linear's weight dequantized from
+    its stored FP8/NVFP4 tensors (float32, what every CPU backend runs), the rest as stored."""
+    from dflash_trt.builder import quantize as q
+    from dflash_trt.builder.tensor_stream import TensorSource
+
+    stored = TensorSource.from_folder(folder)
+    scales = (".weight_scale", ".weight_scale_2", ".input_scale")
+    specs = {}
+    for name, (dtype, shape) in stored.specs.items():
+        if name.endswith(scales):
+            continue
+        stem = name.removesuffix(".weight")
+        if stem + ".weight_scale" in stored.specs:  # quantized: the dequantized float32 weight
+            columns = shape[1] * (2 if stem + ".weight_scale_2" in stored.specs else 1)
+            specs[name] = (torch.float32, (shape[0], columns))
+        else:
+            specs[name] = (dtype, shape)
+
+    def read(name: str) -> torch.Tensor:
+        stem = name.removesuffix(".weight")
+        if stem + ".weight_scale" not in stored.specs:
+            return stored.get(name)
+        if stem + ".weight_scale_2" in stored.specs:
+            return q.dequantize_nvfp4(stored.get(name), stored.get(stem + ".weight_scale"),
+                                      stored.get(stem + ".weight_scale_2"))
+        return q.dequantize_fp8(stored.get(name), stored.get(stem + ".weight_scale"))
+
+    return TensorSource(specs, read)

@@ -49,6 +49,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -261,13 +262,14 @@ class _FusedBoundKeys(_BoundKeys):
 
 
 class _DrafterGraph(nn.Module):
-    """A drafter graph's parts: ``DraftHead`` plus the target's embedding and LM head it borrows (frozen copies)."""
+    """A drafter graph's parts: ``DraftHead`` plus the target's embedding and LM head it borrows (the same tensors;
+    in an engine the graph's initializers for them point at the target's weight file)."""
 
     def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
         super().__init__()
         self.head = head
-        self.embed = nn.Parameter(embed_weight.detach().clone(), requires_grad=False)
-        self.lm_head = nn.Parameter(lm_head_weight.detach().clone(), requires_grad=False)
+        self.embed = nn.Parameter(embed_weight.detach(), requires_grad=False)  # the target's tensors, not copies
+        self.lm_head = nn.Parameter(lm_head_weight.detach(), requires_grad=False)
 
     def embed_block(self, block: Tensor) -> Tensor:
         """Shapes: block ``[B, Bc]`` ids -> ``[B, Bc, H]`` (scaled as the drafter's config says)."""
@@ -386,20 +388,27 @@ class PluginDraftGraph(_DrafterGraph):
 
 @contextlib.contextmanager
 def _quiet_exporter():
-    """The dynamo exporter warns about optional packages (torchvision) and deprecated helpers; hide that."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """The dynamo exporter warns about optional packages (torchvision) and deprecated helpers, and the IR's passes
+    about initializers whose data is bound after them (stored weights); hide that."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _export(module: nn.Module, args: tuple[Tensor, ...], input_names: tuple[str, ...],
-            output_names: tuple[str, ...], dynamic_shapes: dict, path: Path, translations: dict, opset: int) -> Path:
+            output_names: tuple[str, ...], dynamic_shapes: dict, path: Path, translations: dict, opset: int,
+            weights: Mapping[str, StoredTensor] | None = None) -> Path:
+    """Trace ``module`` and write ``path``. With ``weights`` the module is :func:`hollow` and every parameter
+    becomes an initializer stored in an existing weight file (external data, :func:`_bind_weights`): no weight is
+    held or written here. Without, the weights are the module's own (inline, or beside the graph when large)."""
     from dflash_trt.plugins.onnx_nodes import register_onnx_schema
 
     register_onnx_schema()
@@ -407,12 +416,99 @@ def _export(module: nn.Module, args: tuple[Tensor, ...], input_names: tuple[str,
         program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=opset,
                                     input_names=list(input_names), output_names=list(output_names),
                                     dynamic_shapes=dynamic_shapes, custom_translation_table=translations,
-                                    optimize=True, verbose=False)
-    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+                                    optimize=weights is None, verbose=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    program.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_BYTES)
+    if weights is None:
+        weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        program.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_BYTES)
+    else:
+        import onnx_ir as ir
+
+        aliases = {name: weights[name] for name, _ in module.named_parameters(remove_duplicate=False)
+                   if name in weights}
+        held = {name for name in program.model.graph.initializers if name in aliases}
+        for name in held:  # no constant folding reads (or copies) a weight: they are bound after the optimizer
+            program.model.graph.initializers[name].const_value = None
+        with _quiet_exporter():
+            program.optimize()
+        _bind_weights(program.model.graph, aliases, path.parent)
+        ir.save(program.model, str(path))
     check_graph(path)
     return path
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a graph's weight lies in a safetensors file beside the graph: ``location`` relative to the graph's
+    folder (ONNX external data may not leave it), absolute byte ``offset``, ``nbytes``, stored dtype and shape."""
+
+    location: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def stored_tensors(file: Path, location: str, names: Mapping[str, str]) -> dict[str, StoredTensor]:
+    """``names`` (graph parameter name -> tensor name in ``file``) as :class:`StoredTensor` records, from the file's
+    safetensors header."""
+    from dflash_trt.builder.safe_files import read_header
+
+    header = read_header(file)
+    return {graph: StoredTensor(location, header[key].offset, header[key].nbytes, header[key].dtype,
+                                tuple(header[key].shape)) for graph, key in names.items()}
+
+
+_IR_DTYPES = {torch.float32: "FLOAT", torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16"}
+
+
+def _bind_weights(graph, weights: Mapping[str, StoredTensor], folder: Path) -> None:
+    """Point every weight initializer at its stored bytes (external data). A weight stored in bfloat16/float16 keeps
+    that dtype in the file and gets one ``Cast`` to float32 (the CPU kernels' dtype): the graph reads the stored
+    tensor as it is, ONNX Runtime folds the cast when it loads the session."""
+    import onnx_ir as ir
+
+    casts = []
+    for name, value in list(graph.initializers.items()):
+        if name not in weights:
+            if value.const_value is None:
+                raise ValueError(f"initializer {name!r} has no stored tensor; expected one for every weight")
+            continue
+        stored = weights[name]
+        if tuple(value.shape) != stored.shape:
+            raise ValueError(f"initializer {name!r} has shape {tuple(value.shape)}; its stored tensor has {stored.shape}")
+        dtype = getattr(ir.DataType, _IR_DTYPES[stored.dtype])
+        external = ir.ExternalTensor(stored.location, stored.offset, stored.nbytes, dtype, shape=ir.Shape(stored.shape),
+                                     name=name, base_dir=str(folder))
+        if stored.dtype == torch.float32:
+            value.const_value = external
+            continue
+        graph.initializers.pop(name)
+        held = ir.Value(name=name, shape=ir.Shape(stored.shape), type=ir.TensorType(dtype), const_value=external)
+        graph.register_initializer(held)
+        cast = ir.Node("", "Cast", [held], [ir.AttrInt64("to", ir.DataType.FLOAT)], num_outputs=1,
+                       name=f"{name}.cast")
+        cast.outputs[0].name = f"{name}.float"
+        cast.outputs[0].shape, cast.outputs[0].type = ir.Shape(stored.shape), ir.TensorType(ir.DataType.FLOAT)
+        value.replace_all_uses_with(cast.outputs[0])
+        casts.append(cast)
+    if casts:
+        graph.insert_before(next(iter(graph)), casts)
+
+
+def hollow(module: nn.Module) -> nn.Module:
+    """Every parameter of ``module`` (built ``without_weights``) becomes a float32 zero of its shape with zero strides:
+    traceable, but holding no memory. Tied parameters stay tied. For :func:`_export` with stored weights."""
+    made: dict[int, nn.Parameter] = {}
+    for child in module.modules():
+        for name, param in list(child._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.zeros((), dtype=torch.float32).expand(param.shape),
+                                               requires_grad=False)
+            child._parameters[name] = made[id(param)]
+    return module
 
 
 def check_graph(path: Path) -> None:
@@ -425,7 +521,8 @@ def check_graph(path: Path) -> None:
     onnx.checker.check_model(str(path), full_check=True)
 
 
-def export_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limits: GraphLimits) -> Path:
+def export_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limits: GraphLimits,
+                  weights: Mapping[str, StoredTensor] | None = None) -> Path:
     """Write ``target.onnx`` (float32). ``tap_ids`` empty -> no ``taps`` output (plain decoding only)."""
     from torch.export import Dim
 
@@ -445,7 +542,7 @@ def export_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limi
     return _export(TargetGraph(model, tuple(tap_ids)), args, TARGET_INPUTS, outputs,
                    {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "cache_positions": {0: live},
                     "cache_lengths": {0: batch},
-                    "key_cache": cache_dims, "value_cache": cache_dims}, path, {}, limits.opset)
+                    "key_cache": cache_dims, "value_cache": cache_dims}, path, {}, limits.opset, weights)
 
 
 def _per_layer(num_layers: int, *names: str) -> tuple[str, ...]:
@@ -461,7 +558,8 @@ def step_graph_io(num_layers: int, with_taps: bool) -> tuple[tuple[str, ...], tu
     return inputs, outputs
 
 
-def export_step_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limits: GraphLimits) -> Path:
+def export_step_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limits: GraphLimits,
+                       weights: Mapping[str, StoredTensor] | None = None) -> Path:
     """Write ``target_step.onnx`` (float32, ONNX Runtime only: ``com.microsoft.GroupQueryAttention``)."""
     from torch.export import Dim
 
@@ -480,14 +578,16 @@ def export_step_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path,
     cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
     dynamic = {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "seqlens_k": {0: batch},
                "total_length": {}, "query_seqlens": {0: batch}, "caches": tuple({0: batch, 2: cache_len} for _ in caches)}
-    return _export(StepGraph(model, tuple(tap_ids)), args, inputs, outputs, dynamic, path, {}, OPSET_ONNXRUNTIME)
+    return _export(StepGraph(model, tuple(tap_ids)), args, inputs, outputs, dynamic, path, {}, OPSET_ONNXRUNTIME,
+                   weights)
 
 
-def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits, plugin: bool) -> Path:
+def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits, plugin: bool,
+                 weights: Mapping[str, StoredTensor] | None = None) -> Path:
     """Write the drafter graph (float32): ``draft.onnx`` (batched, standard ops) or, with ``plugin``,
     ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O)."""
     if plugin:
-        return _export_plugin_draft(head, target, path, limits)
+        return _export_plugin_draft(head, target, path, limits, weights)
     from torch.export import Dim
 
     cfg = head.config
@@ -512,7 +612,7 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
                    {"block": {0: batch, 1: block}, "block_positions": {0: batch, 1: block},
                     "taps": {0: batch, 1: context}, "context_positions": {0: batch, 1: context},
                     "cache_positions": {0: live}, "cache_lengths": {0: batch}, "key_cache": cache_dims,
-                    "value_cache": cache_dims}, path, {}, limits.opset)
+                    "value_cache": cache_dims}, path, {}, limits.opset, weights)
 
 
 def draft_step_graph_io(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -522,7 +622,8 @@ def draft_step_graph_io(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ..
     return inputs, ("draft_logits",) + _per_layer(num_layers, "present_key", "present_value")
 
 
-def export_step_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits) -> Path:
+def export_step_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits,
+                      weights: Mapping[str, StoredTensor] | None = None) -> Path:
     """Write ``draft_step.onnx`` (float32, ONNX Runtime only, one request per call; see :func:`in_place_drafter`)."""
     from torch.export import Dim
 
@@ -546,10 +647,11 @@ def export_step_draft(head: DraftHead, target: TargetModel, path: Path, limits: 
                "context_positions": {1: context}, "seqlens_k": {}, "total_length": {},
                "caches": tuple({2: cache_len} for _ in caches)}
     return _export(DraftStepGraph(head, target.embed_tokens.weight, target.lm_head.weight), args, inputs, outputs,
-                   dynamic, path, {}, OPSET_ONNXRUNTIME)
+                   dynamic, path, {}, OPSET_ONNXRUNTIME, weights)
 
 
-def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits) -> Path:
+def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits,
+                         weights: Mapping[str, StoredTensor] | None = None) -> Path:
     from torch.export import Dim
 
     from dflash_trt.plugins.onnx_nodes import block_attention_translation
@@ -571,4 +673,4 @@ def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limit
     translations = {torch.ops.dflash.block_attention.default: block_attention_translation()}
     return _export(graph, args, PLUGIN_DRAFT_INPUTS, DRAFT_OUTPUTS,
                    {"block": {0: batch, 1: block}, "taps": {0: batch, 1: context}, "past_keys": cache_dims,
-                    "past_values": cache_dims}, path, translations, limits.opset)
+                    "past_values": cache_dims}, path, translations, limits.opset, weights)

@@ -193,7 +193,7 @@ def quantized_tensors(source: TensorSource, config: TargetConfig, mode: q.QuantM
     for name in (n for n in order if not n.startswith("layers.")):  # embedding, final norm, head: as stored
         tensor = source.get(_source_key(source, name))
         if name == "embed_tokens.weight":  # the calibration rows enter layer 0
-            hidden = [F.embedding(row.view(1, -1), tensor.float()) for row in calibration]
+            hidden = [F.embedding(row.view(1, -1), tensor).float() for row in calibration]  # rows, then float
         yield _hf_name(name), tensor
         del tensor
     for index in range(config.num_layers):

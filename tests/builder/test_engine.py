@@ -44,5 +44,5 @@ def test_torch_engine_generates_like_the_checkpoints(tmp_path_factory):
 
 def test_report_has_steps_time_and_peak_memory(tmp_path_factory, tmp_path):
     report = build_engine(_config(tmp_path_factory.getbasetemp(), tmp_path / "e"))
-    assert [name for name, _ in report.steps][:2] == ["read configs", "load checkpoints"]
+    assert [name for name, _ in report.steps][:2] == ["read configs", "write weights"]
     assert report.seconds > 0 and report.peak_rss_bytes > 10_000_000 and report.pending == ()

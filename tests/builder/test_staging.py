@@ -96,7 +96,7 @@ from dflash_trt.builder.engine import BuildConfig, build_engine
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a background launcher may have set SIGINT to ignored
 
 def progress(event, step, seconds):
-    if event == "start" and step == "write torch weights":
+    if event == "start" and step == "write weights":
         os.kill(os.getpid(), getattr(signal, sys.argv[2]))
 
 build_engine(BuildConfig(out=Path(sys.argv[1]), backend="torch"), progress=progress)

@@ -39,6 +39,9 @@ def hf_pair(stories, tmp_path_factory):
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     draft = root / "draft"
     shutil.copytree(embedded_draft_path(), draft)
+    with safe_open(str(draft / "model.safetensors"), "pt") as handle:
+        tensors = {name: handle.get_tensor(name).to(torch.bfloat16) for name in handle.keys()}
+    save_file(tensors, str(draft / "model.safetensors"), metadata={"format": "pt"})  # bf16, as z-lab ships them
     return target, draft
 
 
@@ -109,3 +112,38 @@ def test_a_quantized_trtllm_bundle_is_the_streamed_modelopt_export(hf_pair, stor
         assert handle.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16  # unquantized: as stored
     assert json.loads((out / "trtllm" / "target" / "hf_quant_config.json").read_text())["quantization"][
         "quant_algo"] == "FP8"
+
+
+def test_an_onnxruntime_engine_stores_each_weight_once_in_the_checkpoint_dtype(hf_pair, tmp_path):
+    """Graph initializers are external data in the engine's two weight files, bfloat16 as the checkpoint is (with a
+    Cast), the drafter graph's embedding and LM head are the target's tensors, and the engine decodes as the torch
+    backend does on the same folder, DFlash as plain decoding."""
+    import onnx
+
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.runtime.session import Session
+
+    target, draft = hf_pair
+    out = tmp_path / "ort"
+    build_engine(BuildConfig(out=out, target=target, draft=draft, max_seq_len=128, max_batch_size=2))
+    manifest = read_manifest(out)
+    assert manifest.build.dtype == "bfloat16"
+    assert {p.name for p in out.rglob("*") if p.is_file()} == {
+        "manifest.json", "target.safetensors", "model.safetensors", "config.json", "target_step.onnx",
+        "draft_step.onnx"}  # no external-data copy, no float32 torch weights (and no tokenizer in this folder)
+    locations = {}
+    for graph in ("target_step.onnx", "draft_step.onnx"):
+        model = onnx.load(str(out / "onnx" / graph), load_external_data=False)
+        for init in model.graph.initializer:
+            if init.data_location == onnx.TensorProto.EXTERNAL:
+                locations[(graph, init.name)] = {e.key: e.value for e in init.external_data}["location"]
+                assert init.data_type == onnx.TensorProto.BFLOAT16, init.name
+    assert locations[("draft_step.onnx", "embed")] == "target.safetensors"
+    assert locations[("draft_step.onnx", "lm_head")] == "target.safetensors"
+    assert sum(1 for (graph, _), where in locations.items() if graph == "draft_step.onnx"
+               and where == "target.safetensors") == 2  # only the borrowed pair
+    prompt, params = [1, 403, 407, 261, 378], SamplingParams(max_new_tokens=24)
+    plain = Session.load(out, "onnxruntime").generate(prompt, SamplingParams(max_new_tokens=24, block_len=1))
+    dflash = Session.load(out, "onnxruntime").generate(prompt, params)
+    reference = Session.from_checkpoints(target, draft).generate(prompt, params)
+    assert dflash.token_ids == plain.token_ids == reference.token_ids
