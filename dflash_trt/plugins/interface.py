@@ -3,8 +3,8 @@
 The draft-verify loop, verification math, sampling and stats live once in ``runtime/`` and drive
 any backend. A backend serves rows of several requests per forward through ``target_batch`` /
 ``draft_batch``, each request in its own cache *slot*; a request alone is a one-row batch. It declares
-``max_batch`` (its slots), the ``device`` and ``dtype`` it computes in, and ``outputs_device``, where the
-logits and taps it returns live. Backends register with their capabilities in
+``max_batch`` (its slots), the ``device`` it computes in, where the logits and taps it returns live, and the
+``dtype`` of its activations and caches. Backends register with their capabilities in
 ``dflash_trt.plugins.registry``.
 """
 
@@ -47,9 +47,8 @@ class Backend(Protocol):
     target_config: TargetConfig
     draft_config: DraftConfig | None
     max_batch: int  # cache slots: requests that can be in flight at once
-    device: str  # where the networks run ("cpu", "cuda:0")
+    device: str  # where the networks run and returned logits/taps live ("cpu", "cuda:0"); generators live there
     dtype: torch.dtype  # activation/cache dtype of the networks
-    outputs_device: str  # where returned logits/taps live (sampling generators must be created there)
 
     def reset_slot(self, slot: int) -> None:
         """Start a new request in ``slot``: both of its caches empty (buffers are reused)."""

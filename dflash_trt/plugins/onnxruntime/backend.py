@@ -78,7 +78,6 @@ class OrtBackend:
 
     name = "onnxruntime"
     device = "cpu"
-    outputs_device = "cpu"
 
     def __init__(self, target_config: TargetConfig, draft_config: DraftConfig | None, target_graph: Path,
                  draft_graph: Path | None, max_seq_len: int, quant_mode: str = "none", max_batch: int = 1) -> None:

@@ -5,7 +5,7 @@ describes their I/O). Each network keeps one static KV cache on the GPU, ``[max_
 (one slot per request), allocated at setup with every input and gather buffer (docs/style.md R5). A forward binds
 the cache rows of its requests in place (a contiguous run of slots is a view; other sets are gathered into a
 preallocated buffer), runs ``execute_async_v3`` on the current CUDA stream and writes back only the K/V rows
-the plan returns. Logits, taps and drafts stay on the GPU (``outputs_device``): the backend makes no
+the plan returns. Logits, taps and drafts stay on the GPU (``device``): the backend makes no
 device-to-host copy, so the runtime's acceptance readback is the step's one host transfer. A drafter plan
 built from ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O) runs row by row, since its
 rows must share one context length.
@@ -133,7 +133,6 @@ class TensorRTBackend:
                 raise BackendUnavailableError(needs_message("the tensorrt backend") + ". Fix: use --backend "
                                               "onnxruntime.")
         self.device = str(torch.device(device))
-        self.outputs_device = self.device
         self.dtype = torch.float32
         self.target_config = pair.target.config
         self.draft_config = pair.draft.config if pair.draft is not None else None
@@ -215,7 +214,7 @@ class TensorRTBackend:
     @torch.inference_mode()
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None;
-        on ``outputs_device``."""
+        on ``device``."""
         cache = self._target_cache
         width = max(len(r.tokens) for r in rows)
         tokens = torch.zeros(len(rows), width, dtype=torch.int64)
@@ -243,7 +242,7 @@ class TensorRTBackend:
 
     @torch.inference_mode()
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
-        """Shapes per row: draft logits ``[Bc_i - 1, V]`` on ``outputs_device``; afterwards each draft cache holds
+        """Shapes per row: draft logits ``[Bc_i - 1, V]`` on ``device``; afterwards each draft cache holds
         positions ``< start``."""
         assert self._draft is not None and self._draft_cache is not None, "draft_batch() needs a drafter plan"
         if "past_keys" in self._draft.input_names:

@@ -59,7 +59,6 @@ class TorchBackend:
         self.max_batch = max_batch
         self.device = pair.target.embed_tokens.weight.device
         self.dtype = pair.target.embed_tokens.weight.dtype
-        self.outputs_device = str(self.device)  # logits and taps stay where the model runs
         self.kv_cache = KVCachePlan(CacheLayout.of(self.target_config, self.dtype),
                                     CacheLayout.of(self.draft_config, self.dtype) if self.draft_config else None,
                                     max_batch, max_seq_len, str(self.dtype).removeprefix("torch."), str(self.device))

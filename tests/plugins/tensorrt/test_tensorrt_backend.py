@@ -65,8 +65,7 @@ def _backends(engine, pair, max_batch, draft_graph="draft.onnx"):
 
 def test_declares_its_device_dtype_and_batch(engine, pair):
     backend, _ = _backends(engine, pair, 3)
-    assert (backend.device, backend.outputs_device, backend.dtype, backend.max_batch) == ("cpu", "cpu",
-                                                                                        torch.float32, 3)
+    assert (backend.device, backend.dtype, backend.max_batch) == ("cpu", torch.float32, 3)
     assert backend.name == "tensorrt" and backend.draft_config == pair.draft.config
 
 
