@@ -464,8 +464,9 @@ _IR_DTYPES = {torch.float32: "FLOAT", torch.bfloat16: "BFLOAT16", torch.float16:
 
 def _bind_weights(graph, weights: Mapping[str, StoredTensor], folder: Path) -> None:
     """Point every weight initializer at its stored bytes (external data). A weight stored in bfloat16/float16 keeps
-    that dtype in the file and gets one ``Cast`` to float32 (the CPU kernels' dtype): the graph reads the stored
-    tensor as it is, ONNX Runtime folds the cast when it loads the session."""
+    that dtype in the file and gets one ``Cast`` to float32 (the CPU kernels' dtype), which ONNX Runtime folds when
+    it loads the session (a float32 copy it holds); an embedding read only by ``Gather`` is gathered in its stored
+    dtype and the rows are cast, so the table is never converted."""
     import onnx_ir as ir
 
     casts = []
@@ -483,17 +484,36 @@ def _bind_weights(graph, weights: Mapping[str, StoredTensor], folder: Path) -> N
         if stored.dtype == torch.float32:
             value.const_value = external
             continue
+        uses = list(value.uses())
         graph.initializers.pop(name)
         held = ir.Value(name=name, shape=ir.Shape(stored.shape), type=ir.TensorType(dtype), const_value=external)
         graph.register_initializer(held)
-        cast = ir.Node("", "Cast", [held], [ir.AttrInt64("to", ir.DataType.FLOAT)], num_outputs=1,
-                       name=f"{name}.cast")
-        cast.outputs[0].name = f"{name}.float"
-        cast.outputs[0].shape, cast.outputs[0].type = ir.Shape(stored.shape), ir.TensorType(ir.DataType.FLOAT)
+        if uses and all(node.op_type == "Gather" and index == 0 for node, index in uses):
+            # an embedding: gather the stored rows, then cast them (no float32 copy of the table is ever made)
+            for gather, _ in uses:
+                gather.replace_input_with(0, held)
+                rows = gather.outputs[0]
+                rows.type = ir.TensorType(dtype)
+                cast = _cast(rows, f"{rows.name}.float")
+                for node, index in [use for use in rows.uses() if use[0] is not cast]:
+                    node.replace_input_with(index, cast.outputs[0])
+                graph.insert_after(gather, cast)
+            continue
+        cast = _cast(held, f"{name}.float")
         value.replace_all_uses_with(cast.outputs[0])
         casts.append(cast)
     if casts:
         graph.insert_before(next(iter(graph)), casts)
+
+
+def _cast(value, name: str):
+    """A ``Cast`` of ``value`` to float32 whose output is named ``name`` (same shape)."""
+    import onnx_ir as ir
+
+    cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", ir.DataType.FLOAT)], num_outputs=1, name=f"{name}.cast")
+    cast.outputs[0].name = name
+    cast.outputs[0].shape, cast.outputs[0].type = value.shape, ir.TensorType(ir.DataType.FLOAT)
+    return cast
 
 
 def hollow(module: nn.Module) -> nn.Module:

@@ -142,6 +142,9 @@ def test_an_onnxruntime_engine_stores_each_weight_once_in_the_checkpoint_dtype(h
     assert locations[("draft_step.onnx", "lm_head")] == "target.safetensors"
     assert sum(1 for (graph, _), where in locations.items() if graph == "draft_step.onnx"
                and where == "target.safetensors") == 2  # only the borrowed pair
+    draft_nodes = onnx.load(str(out / "onnx" / "draft_step.onnx"), load_external_data=False).graph.node
+    assert any(n.op_type == "Gather" and n.input[0] == "embed" for n in draft_nodes)  # rows gathered in bf16
+    assert not any(n.op_type == "Cast" and n.input[0] == "embed" for n in draft_nodes)  # the table never converted
     prompt, params = [1, 403, 407, 261, 378], SamplingParams(max_new_tokens=24)
     plain = Session.load(out, "onnxruntime").generate(prompt, SamplingParams(max_new_tokens=24, block_len=1))
     dflash = Session.load(out, "onnxruntime").generate(prompt, params)
