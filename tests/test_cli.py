@@ -56,6 +56,17 @@ def test_run_prompt_ids_reproduces_the_published_llama2c_sample():
     assert out["text"].startswith("Once upon a time, there was a little girl named Lily.")
 
 
+def test_run_ends_the_text_at_the_stop_token_without_its_piece():
+    """The embedded target ends a story with BOS (id 1, piece ``\n<s>\n``): reported in token_ids, not printed."""
+    out = run_json("--prompt", "Once upon a time", "--max-new-tokens", "400")
+    assert out["finish_reason"] == "stop" and out["token_ids"][-1] == 1
+    assert "<s>" not in out["text"] and out["text"].endswith('friend."')
+    for flags in ([], ["--stream"]):
+        result = CliRunner().invoke(main, ["run", "--prompt", "Once upon a time", "--max-new-tokens", "400", *flags])
+        assert result.exit_code == 0, result.output
+        assert "<s>" not in result.output and out["text"] in result.output
+
+
 def test_inspect_reports_a_compatible_pair():
     result = CliRunner().invoke(main, ["inspect", str(embedded_target_path()), "--draft", str(embedded_draft_path()),
                                        "--json"])

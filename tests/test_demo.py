@@ -17,3 +17,10 @@ def test_demo_runs_held_out_prompts_and_prints_the_conditions_of_its_speed_up():
     assert "held-out `tinystories` prompts" in output and "not in the drafter's training data" in output
     assert "1 torch thread(s)" in output and "DFLASH_TORCH_THREADS" in output
     assert "identical" in output and "DIFFERENT" not in output
+
+
+def test_demo_text_ends_at_the_stop_token_without_its_piece():
+    """The first prompt's story ends with BOS within 256 tokens; its piece (``<s>``) is not printed."""
+    result = CliRunner().invoke(main, ["demo", "--max-new-tokens", "256", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    assert "<s>" not in result.output

@@ -60,7 +60,8 @@ class StreamChunk:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """One finished request. ``token_ids`` are the new tokens only (the prefill token first)."""
+    """One finished request. ``token_ids`` are the new tokens only (the prefill token first), a final stop token
+    included; ``text`` is their text without that stop token's piece."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -403,19 +404,21 @@ class RequestHandle:
         self.token_ids += cycle.tokens
         stats.num_output_tokens = len(self.token_ids)
         stats.e2e_s = arrived - self._submitted
-        delta = self._text_delta(cycle.finished) if with_text or cycle.finished else ""
+        delta = self._text_delta(cycle.finished, cycle.stopped) if with_text or cycle.finished else ""
         if cycle.finished:
             self.finish_reason = "stop" if cycle.stopped else "length"
         return StreamChunk(cycle.tokens, delta, cycle.finished, self.finish_reason, arrived)
 
-    def _text_delta(self, final: bool) -> str:
+    def _text_delta(self, final: bool, stopped: bool = False) -> str:
         """New text since the last chunk, decoding only a small window (O(chunk), not O(output)).
 
         Text ending in an incomplete UTF-8 character waits for the next chunk; the final chunk
-        flushes everything, so the chunks always concatenate to the full decode.
+        flushes everything, so the chunks always concatenate to the full decode. A stop token ends the
+        text without its own piece (vLLM's default): ``token_ids`` keep it, the text does not show it.
         """
         if final:
-            full = self._decode_text(self.token_ids, self.prompt_ids[-1])
+            shown = self.token_ids[:-1] if stopped else self.token_ids  # a stop token is always the last one
+            full = self._decode_text(shown, self.prompt_ids[-1])
             delta, self._text = full[len(self._text):], full
             return delta
         window = self.token_ids[self._prefix_offset:]

@@ -182,6 +182,38 @@ def test_stop_token_at_the_prefill_ends_after_one_token(session):
     assert result.acceptance_lengths == []
 
 
+@pytest.fixture(scope="module")
+def stories() -> Session:
+    """The embedded stories260K pair, with its real tokenizer (llama2.c tok512: BOS, id 1, reads ``\n<s>\n``)."""
+    return Session.from_checkpoints()
+
+
+@pytest.mark.parametrize("block_len", [None, 1], ids=["speculative", "plain"])
+@pytest.mark.parametrize("stop", ["eos", "period", "prefill"])
+def test_a_stop_token_ends_the_text_without_its_own_piece(stories, block_len, stop):
+    """vLLM's default: the stop token is reported in ``token_ids`` but its text is not in the output, whether it
+    arrives mid-stream (the period), as the target's own end of text, or as the first token."""
+    prompt = "Once upon a time"
+    stop_ids = {"eos": None, "period": (stories.encode(".")[-1],),
+                "prefill": (stories.generate(prompt, SamplingParams(max_new_tokens=1)).token_ids[0],)}[stop]
+    params = SamplingParams(max_new_tokens=400, block_len=block_len, stop_token_ids=stop_ids)
+    result = stories.generate(prompt, params)
+    assert result.finish_reason == "stop"
+    assert result.token_ids[-1] in (stop_ids or stories.pair.target.config.eos_token_ids)
+    assert stories.decode_text(result.token_ids[-1:]).strip()  # the stop token has text of its own ...
+    assert result.text == stories.decode_text(result.token_ids[:-1], stories.encode(prompt)[-1])  # ... not shown
+    assert "<s>" not in result.text
+    chunks = list(stories.stream(prompt, params))
+    assert "".join(chunk.text for chunk in chunks) == result.text
+    assert [t for chunk in chunks for t in chunk.token_ids] == result.token_ids
+
+
+def test_a_length_finish_keeps_the_text_of_its_last_token(stories):
+    result = stories.generate("Once upon a time", SamplingParams(max_new_tokens=12, stop_token_ids=()))
+    assert result.finish_reason == "length"
+    assert result.text == stories.decode_text(result.token_ids, stories.encode("Once upon a time")[-1])
+
+
 @pytest.mark.parametrize("proposal", ["greedy", "sampled"])
 def test_same_seed_reproduces_sampled_output_whatever_the_global_rng(session, proposal):
     import torch

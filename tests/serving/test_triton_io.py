@@ -100,6 +100,19 @@ def test_chunk_outputs_of_a_submitted_request_add_up_to_its_result_outputs(refer
     assert [c["finish_reason"][0, 0] for c in chunks] == [b""] * (len(chunks) - 1) + [b"length"]
 
 
+def test_a_stop_word_ends_text_output_without_it_and_output_ids_with_it(parser, reference_session):
+    job = parser.parse(reader(text_input="Once upon a time", max_tokens=64, stop_words=["."]))
+    result = reference_session.generate(job.prompt, job.params)
+    whole = io.result_outputs(result, batched=False)
+    text = whole["text_output"][0].decode()
+    assert result.finish_reason == "stop" and reference_session.decode_text(result.token_ids[-1:]) == "."
+    assert whole["output_ids"].tolist() == result.token_ids  # the stop word's id is reported
+    assert text == "Once upon a time, there was a little girl named Lily"[len("Once upon a time"):]
+    chunks = [io.chunk_outputs(chunk, result.stats, batched=False)
+              for chunk in reference_session.submit(job.prompt, job.params)]
+    assert "".join(c["text_output"][0].decode() for c in chunks) == text
+
+
 @pytest.mark.parametrize(("decoupled", "streaming", "ok"), [(True, "true", True), (False, "false", True),
                                                             (False, "true", False), (True, "false", False)])
 def test_policy_problem_only_when_decoupled_and_streaming_disagree(decoupled, streaming, ok):

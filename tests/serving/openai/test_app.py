@@ -89,6 +89,18 @@ def test_stop_string_ends_the_text_before_it(server, reference_session):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:full.index(stop)]
 
 
+def test_the_stop_token_counts_as_a_completion_token_but_adds_no_text(server, reference_session):
+    """The embedded target ends a story with BOS (piece ``\n<s>\n``): vLLM's default, counted in usage, not in text."""
+    expected = reference_session.generate(PROMPTS[0], SamplingParams(max_new_tokens=400))
+    assert expected.finish_reason == "stop" and expected.token_ids[-1] == 1
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, temperature=0)
+    assert result.choices[0].finish_reason == "stop" and result.usage.completion_tokens == len(expected.token_ids)
+    assert result.choices[0].text == expected.text and "<s>" not in result.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected.text
+
+
 def test_64_concurrent_streams_get_their_own_text_in_shared_batches(server, reference_session):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]}{' ' * (i // len(PROMPTS) % 2)}" for i in range(64)]
     expected = {p: _expected(reference_session, p, 48) for p in set(prompts)}
