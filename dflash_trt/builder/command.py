@@ -1,9 +1,9 @@
 """``dflash-trt build``: a thin click command over ``builder.engine.build_engine`` (docs/style.md R13).
 
 Shows one line per build step as it runs, then a summary of what was written (artefact sizes,
-build time, peak memory). When the machine cannot produce part of the requested engine (TensorRT
-plans without a GPU, TRT-LLM without tensorrt_llm) the folder still holds everything that could
-be written, the summary says what is pending, and the command exits 2 with the reason.
+build time, peak memory) and the build's checks. What this machine cannot build or check (TensorRT plans
+without a GPU, serving a TRT-LLM bundle without tensorrt_llm) is one of those checks, with the command to
+run on a GPU machine; the build exits 0. It exits 2 only when something is pending (could not be written).
 """
 
 from __future__ import annotations

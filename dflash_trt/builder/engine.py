@@ -5,19 +5,27 @@ after the manifest (with every artefact's sha256) is complete, so an interrupted
 leaves a folder that loads (docs/design.md §3.1). An existing ``out`` is replaced only with
 ``force``, and only when it is an engine folder (``builder/staging.py``: a user's files are never
 deleted; staging folders of killed builds are cleaned up). What a backend cannot produce on this
-machine (TensorRT plans without a GPU, TRT-LLM validation without tensorrt_llm) is listed in
-``manifest.pending``; the caller reports it
-(``dflash-trt build`` exits 2 with a "needs an NVIDIA GPU / TensorRT x.y" line, never a crash).
+machine (TensorRT plans without a GPU, serving a TRT-LLM bundle without tensorrt_llm) is stated in
+``manifest.checks`` with the command that completes it on a GPU machine; ``manifest.pending`` (which makes
+``dflash-trt build`` exit 2) is for what the build could not write at all.
 
-Layout::
+Layout (format version 4)::
 
     manifest.json
-    torch/target.safetensors, torch/draft/{config.json,model.safetensors}   every engine (torch backend)
+    torch/target.safetensors, torch/draft/{config.json,model.safetensors}   --backend torch
+    onnx/target.safetensors, onnx/draft/{config.json,model.safetensors}     onnxruntime, tensorrt (and the torch
+                                                                            backend of those engines)
     tokenizer/<tok512.bin | tokenizer.json>
     onnx/target_step.onnx, onnx/draft_step.onnx | draft.onnx | draft_plugin.onnx  onnxruntime
     onnx/target.onnx, onnx/draft.onnx, onnx/draft_plugin.onnx                tensorrt
     tensorrt/target.plan, tensorrt/draft.plan, tensorrt/libdflash_plugins.so tensorrt (GPU)
-    trtllm/llm_api_options.yaml, trtllm/target/, trtllm/draft/              trtllm
+    quant/target/                                                           --quant (ModelOpt export)
+    trtllm/llm_api_options.yaml, trtllm/target/, trtllm/draft/              trtllm (hard links, no rewrite)
+
+Nothing holds a model: the weight files are written tensor by tensor from the checkpoint in its stored dtype,
+the graphs are traced from weightless module trees and read their initializers from those files (ONNX external
+data; the drafter graphs borrow the target's embedding and LM head from ``onnx/target.safetensors``), and the
+quantizer works one layer at a time. Peak memory is a few tensors, whatever the model's size.
 """
 
 from __future__ import annotations
