@@ -152,3 +152,11 @@ def test_a_session_on_the_backend_is_lossless(engine, pair, monkeypatch):
     assert handles[0].result().token_ids == plain.token_ids
     assert len(handles[1].result().token_ids) == 48
     with_trt.close()
+
+
+def test_the_kv_cache_plan_counts_every_cache_buffer_it_allocates(engine, pair):
+    ours, _ = _backends(engine, pair, 2)
+    names = ("keys", "values", "gather_keys", "gather_values", "prefix_keys", "prefix_values")
+    allocated = [sum(getattr(cache, name).nbytes for name in names) for cache in (ours._target_cache, ours._draft_cache)]
+    assert [ours.kv_cache.target_bytes, ours.kv_cache.draft_bytes] == allocated
+    assert ours.kv_cache.max_batch == 2 and ours.kv_cache.max_seq_len == 128 and ours.kv_cache.dtype == "float32"
