@@ -24,6 +24,7 @@ AVAILABLE_ENV = "DFLASH_AVAILABLE_MEMORY"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")
 _UNLIMITED_V1 = 2**62  # v1 reports "no limit" as a page-rounded LONG_MAX
 
 
@@ -89,7 +90,7 @@ def _stat(path: Path) -> dict[str, int]:
 def _cgroup_room() -> AvailableMemory | None:
     """Limit minus usage (less reclaimable file pages) of this process's memory cgroup, or None without one."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = _PROC_CGROUP.read_text().splitlines()
     except OSError:
         return None
     for line in lines:

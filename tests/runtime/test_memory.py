@@ -138,3 +138,39 @@ def test_an_onnxruntime_engine_session_plans_exactly_what_its_slot_caches_alloca
     config = session.pair.target.config  # the in-place target graph owns K and V only, S rows per slot
     assert session.kv_cache.target_bytes == 2 * 2 * 64 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     session.close()
+
+
+def _fake_cgroup(tmp_path, monkeypatch, membership: str, files: dict[str, str]) -> None:
+    from dflash_trt.runtime import memory
+
+    (tmp_path / "proc_cgroup").write_text(membership)
+    for name, text in files.items():
+        (tmp_path / "root" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "root" / name).write_text(text)
+    monkeypatch.setattr(memory, "_PROC_CGROUP", tmp_path / "proc_cgroup")
+    monkeypatch.setattr(memory, "_CGROUP_ROOT", tmp_path / "root")
+    monkeypatch.setattr(memory, "_mem_available", lambda: 64 * 2**30)
+    monkeypatch.delenv(AVAILABLE_ENV, raising=False)
+
+
+def test_a_cgroup_v1_limit_bounds_the_available_memory(tmp_path, monkeypatch):
+    _fake_cgroup(tmp_path, monkeypatch, "4:memory:/job\n0::/\n", {
+        "memory/job/memory.stat": f"hierarchical_memory_limit {6 * 2**30}\ntotal_inactive_file {2**30}\n",
+        "memory/job/memory.limit_in_bytes": str(2**63 - 4096), "memory/job/memory.usage_in_bytes": str(3 * 2**30)})
+    figure = available_memory()
+    assert figure.bytes == 6 * 2**30 - 3 * 2**30 + 2**30 and "cgroup limit 6.0 GiB" in figure.source
+
+
+def test_the_tightest_cgroup_v2_limit_on_the_way_to_the_root_bounds_it(tmp_path, monkeypatch):
+    _fake_cgroup(tmp_path, monkeypatch, "0::/a/b\n", {
+        "a/memory.max": str(8 * 2**30), "a/memory.current": str(7 * 2**30),
+        "a/b/memory.max": "max", "a/b/memory.current": str(5 * 2**30), "a/b/memory.stat": "inactive_file 0\n"})
+    assert available_memory().bytes == 2**30  # the parent's 8 GiB limit, 7 GiB used
+
+
+def test_without_a_cgroup_limit_memavailable_is_the_figure(tmp_path, monkeypatch):
+    _fake_cgroup(tmp_path, monkeypatch, "4:memory:/\n", {
+        "memory/memory.stat": f"hierarchical_memory_limit {2**63 - 4096}\n",
+        "memory/memory.usage_in_bytes": str(2**30)})
+    figure = available_memory()
+    assert figure.bytes == 64 * 2**30 and figure.source == "MemAvailable"
