@@ -243,7 +243,7 @@ def _write_engine_weights(target_source, target_cfg, draft_path: Path | None, dr
         draft_config_json(draft_cfg, str(dtype).removeprefix("torch.")), indent=2) + "\n")
 
 
-def _role_of(relative: str, drafter_graph: str) -> str:
+def _role_of(relative: str) -> str:
     """Artefact role from the fixed layout above (the builder wrote these names itself)."""
     table = {"torch/target.safetensors": "target_weights", "onnx/target.safetensors": "target_weights",
              "onnx/target.onnx": "target_graph",
@@ -262,11 +262,11 @@ def _role_of(relative: str, drafter_graph: str) -> str:
     return next(role for prefix, role in prefixes if relative.startswith(prefix))
 
 
-def _artefacts(work: Path, drafter_graph: str) -> tuple[Artefact, ...]:
+def _artefacts(work: Path) -> tuple[Artefact, ...]:
     rows = []
     for path in sorted(p for p in work.rglob("*") if p.is_file() and p.name != STAGING_MARKER):
         relative = path.relative_to(work).as_posix()
-        role = _role_of(relative, drafter_graph)
+        role = _role_of(relative)
         rows.append(Artefact(path=relative, sha256=_sha256(path), bytes=path.stat().st_size, role=role,
                              backends=_ROLES_BACKENDS[role]))
     return tuple(rows)
@@ -488,7 +488,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
             build=BuildSettings(backend=config.backend, max_batch_size=config.max_batch_size, max_seq_len=max_seq_len,
                                 block_len=block_len, dtype=stored_dtype, drafter_graph=drafter_graph,
                                 opset=opset if drafter_graph else None, command=config.command()),
-            artefacts=_artefacts(work, drafter_graph or "standard"), plugins=plugins, tools=tool_versions(),
+            artefacts=_artefacts(work), plugins=plugins, tools=tool_versions(),
             tensorrt=tensorrt_stamp, checks=checks, pending=tuple(pending))
         write_manifest(work, manifest)
         return manifest
