@@ -65,7 +65,8 @@ from typing import Any, Iterator
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = (ROOT / "data" / "tinystories" / "train-openings.txt", ROOT / "data" / "tinystories" / "calibration-paragraphs.txt")
+CORPUS = (ROOT / "data" / "tinystories" / "train-openings.txt",
+          ROOT / "data" / "tinystories" / "calibration-paragraphs.txt")
 CHUNK_ELEMENTS = 8 * 1024 * 1024  # elements per generated chunk (16 MiB of bf16)
 GB = 1_000_000_000
 BLOCK_SIZE = 16

@@ -8,18 +8,19 @@ Run from the repository root, through a memory cap when a shape is large::
 For each shape it writes the checkpoint with tools/make_checkpoints.py when the folder is missing (target and
 a ``--draft-layers``-layer drafter under ``--ckpt-root``), then runs each selected command as a child process,
 one at a time: ``inspect`` (target + drafter), ``run`` with 32 new tokens (DFlash and ``--no-draft``), ``build``
-(onnxruntime, ``--quant fp8``, ``--quant nvfp4``, ``--backend tensorrt``, ``--backend trtllm``), ``serve``
+(onnxruntime, ``--quant fp8``, ``--quant nvfp4``, ``--backend tensorrt``, ``--backend trtllm`` without and with
+``--quant fp8``), ``serve``
 (started until ``/health`` answers, then SIGTERM) and a concurrency-1 ``bench`` (plain decoding, DFlash and
 transformers ``generate()`` on the same weights; its forward costs give verify(k+1)/plain and draft(k+1)/plain).
 
 Each child runs in its own memory cgroup capped at ``--cap-gb`` (nested under the caller's, so it stays inside
 any outer cap), or under ``RLIMIT_DATA`` where cgroups cannot be written. Its peak RSS comes from ``wait4``
 (the kernel's high-water mark of the child and its waited-for descendants; the kernel carries the spawning
-process's own peak over into it, so this process stays small, ~20 MB, and measures bandwidth in a child); a child killed at the cap is
-reported as such, with the cgroup's peak usage. The machine's copy bandwidth is measured here (512 MiB copies,
-best of 5, with torch on all threads and with numpy on one; bytes read + written per second), and the decoding
-limit is the higher of the two divided by the bytes one token reads (the target's weights in the dtype the
-command held them).
+process's own peak over into it, so this process stays small, ~20 MB, and measures bandwidth in a child); a
+child killed at the cap is reported as such, with the cgroup's peak usage. The machine's copy bandwidth is
+measured with 512 MiB copies (best of 5, torch on all threads and numpy on one; bytes read + written per
+second), and the decoding limit is the higher of the two divided by the bytes one token reads (the target's
+weights in the dtype the command held them).
 
 Results accumulate in ``--results`` (JSON, one entry per shape and command, each with its date, commit and
 conditions); every invocation rewrites ``--out`` from all of them, so shapes and commands can be measured in
@@ -34,7 +35,6 @@ import json
 import os
 import platform
 import re
-import resource
 import shlex
 import signal
 import socket
@@ -53,7 +53,7 @@ PROMPT = "Once upon a time, there was a little girl named Lily. She"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 GIB = 1024 ** 3
 STEPS = ("inspect", "run-dflash", "run-plain", "build-ort", "build-fp8", "build-nvfp4", "build-tensorrt",
-         "build-trtllm", "serve", "bench")
+         "build-trtllm", "build-trtllm-fp8", "serve", "bench")
 DEFAULT_TIMEOUT_S = 1200
 
 
@@ -127,7 +127,7 @@ class MemoryCap:
         if self.kind == "cgroup":
             return ["/bin/sh", "-c", f'echo $$ > {shlex.quote(str(self.path / "cgroup.procs"))} && exec "$@"', "sh",
                     *argv]
-        if self.kind == "rlimit-data":
+        if self.kind == "rlimit-data":  # RLIMIT_DATA, in KiB
             return ["/bin/sh", "-c", f'ulimit -d {int(self.cap_gb * GIB) // 1024} && exec "$@"', "sh", *argv]
         return list(argv)
 
@@ -261,6 +261,8 @@ def step_command(step: str, target: Path, draft: Path, work: Path, port: int) ->
         "build-nvfp4": [*build, "--quant", "nvfp4", "--out", str(work / "engine-nvfp4")],
         "build-tensorrt": [*build, "--backend", "tensorrt", "--out", str(work / "engine-tensorrt")],
         "build-trtllm": [*build, "--backend", "trtllm", "--out", str(work / "engine-trtllm")],
+        "build-trtllm-fp8": [*build, "--backend", "trtllm", "--quant", "fp8",
+                             "--out", str(work / "engine-trtllm-fp8")],
         "serve": [DFLASH, "serve", *pair, "--host", "127.0.0.1", "--port", str(port)],
         "bench": [DFLASH, "bench", *pair, "--datasets", "tinystories", "--num-prompts", "2", "--concurrency", "1",
                   "--max-new-tokens", "32", "--no-adaptive", "--out", str(work / "bench")],
@@ -406,6 +408,7 @@ STEP_LABELS = {
     "run-plain": "`run` 32 tokens, `--no-draft`", "build-ort": "`build` (onnxruntime)",
     "build-fp8": "`build --quant fp8`", "build-nvfp4": "`build --quant nvfp4`",
     "build-tensorrt": "`build --backend tensorrt`", "build-trtllm": "`build --backend trtllm`",
+    "build-trtllm-fp8": "`build --backend trtllm --quant fp8`",
     "serve": "`serve` start-up to /health", "bench": "`bench` c=1, 2 prompts x 32 tokens",
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -470,8 +473,9 @@ def decode_rows(entries: dict[str, dict[str, Any]], bandwidth: dict[str, float] 
         lines.append(f"| forward cost verify({bench['k']}) ÷ plain verify(1) ({bench['plain_verify_ms']:.1f} ms) | "
                      f"{bench['verify_ratio']:.2f} |")
         lines.append(f"| forward cost draft({bench['k']}) ÷ plain verify(1) | {bench['draft_ratio']:.2f} |")
+        cycle = bench["verify_ratio"] + bench["draft_ratio"]
         lines.append(f"| speed-up these costs allow at acceptance length τ | τ ÷ (verify + draft ratios) = "
-                     f"τ ÷ {bench['verify_ratio'] + bench['draft_ratio']:.2f} (e.g. {6 / (bench['verify_ratio'] + bench['draft_ratio']):.2f}x at τ = 6) |")
+                     f"τ ÷ {cycle:.2f} (e.g. {6 / cycle:.2f}x at τ = 6) |")
     return lines
 
 
