@@ -14,9 +14,11 @@ softmax; then the same row inside a 16-row frame (``model/frames.py``: the same 
 
 ``cost``: one-process A/B of the target's cached forwards, torch's calls (``torch``) against frames (``frames``):
 a 1-token step and a 16-token verify at ``--context`` tokens of context, interleaved (the order alternates each
-repetition), medians over ``--reps``. ``--shape`` builds a random model of a published shape in memory (bf16
-weights drawn in place, no float32 copy); ``--target`` loads a Hugging Face folder. Threads as the torch backend
-sets them (``plugins/torch_ref/threads.py``). The 1.7B shape needs ~4 GB: run it under a memory cap.
+repetition), medians over ``--reps``; then, in each mode, how many of a verify's 16 rows are the bits of the
+1-token steps over the same tokens, and the largest logit difference. ``--shape`` builds a random model of a
+published shape in memory (weights N(0, 0.02) drawn in place in the dtype, no float32 copy); ``--target`` loads a
+Hugging Face folder. Threads as the torch backend sets them (``plugins/torch_ref/threads.py``). The 1.7B shape
+needs ~4 GB: run it under a memory cap.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ def cost(model: TargetModel, context: int, reps: int) -> None:
             for width in (1, FRAME_ROWS):
                 for mode in order:
                     times[mode, width].append(forward(mode, width))
+        agreement = {mode: verify_against_steps(model, cache, tokens, context, mode) for mode in modes}
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     print(f"target: hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, {params / 1e9:.2f} B "
@@ -159,10 +162,28 @@ def cost(model: TargetModel, context: int, reps: int) -> None:
         step, verify = (statistics.median(times[mode, w]) for w in (1, FRAME_ROWS))
         print(f"  {mode:<7} 1-token step {step * 1e3:8.1f} ms ({1 / step:6.2f} tok/s)   verify({FRAME_ROWS}) "
               f"{verify * 1e3:8.1f} ms   verify/step {verify / step:5.2f}")
+    for mode in modes:
+        same, drift = agreement[mode]
+        print(f"  {mode:<7} verify rows bit-identical to 1-token steps: {same}/{FRAME_ROWS}, max |logit difference| "
+              f"{drift:.3g}")
     for width in (1, FRAME_ROWS):
         ratios = [f / t for f, t in zip(times["frames", width], times["torch", width])]
         print(f"  frames/torch at width {width:>2}: median {statistics.median(ratios):.3f} "
               f"(paired, range {min(ratios):.3f}-{max(ratios):.3f})")
+
+
+def verify_against_steps(model: TargetModel, cache, tokens: torch.Tensor, context: int, mode: str
+                         ) -> tuple[int, float]:
+    """One verify of ``FRAME_ROWS`` tokens and the same tokens as 1-token steps, in ``mode``: (rows whose logits
+    are the same bits, the largest absolute logit difference)."""
+    target_module.uses_frames = (lambda dtype: True) if mode == "frames" else (lambda dtype: False)
+    cache.crop(context)
+    verify, _ = model(tokens[:, context:context + FRAME_ROWS], context, cache)
+    cache.crop(context)
+    steps = torch.cat([model(tokens[:, context + i:context + i + 1], context + i, cache)[0]
+                       for i in range(FRAME_ROWS)], dim=1)
+    same = sum(torch.equal(verify[0, i], steps[0, i]) for i in range(FRAME_ROWS))
+    return same, (verify.float() - steps.float()).abs().max().item()
 
 
 def main() -> None:

@@ -2,10 +2,10 @@
 
 Greedy speculative decoding commits the argmax of each row of a (k+1)-token verify forward; it equals plain
 decoding only if that row is the same bits as the 1-token step plain decoding runs at the same position
-(docs/algorithm.md §3.4). torch's CPU kernels pick their algorithm, and with it the order in which a dot product,
+(docs/algorithm.md §3.7). torch's CPU kernels pick their algorithm, and with it the order in which a dot product,
 a norm or a softmax adds up, from the shape of the call: a bfloat16 GEMM with 1 row and one with 16 rows, or
 ``scaled_dot_product_attention`` over 1 query and over 16, give different last bits (measured in
-docs/algorithm.md §3.4), and in bfloat16 or float16 a last bit is large enough to flip an argmax.
+docs/algorithm.md §3.7), and in bfloat16 or float16 a last bit is large enough to flip an argmax.
 
 A **frame** makes the calls the same instead of asking the kernels to agree. A frame is ``FRAME_ROWS`` token rows;
 the token at position ``p`` always sits in row ``p mod FRAME_ROWS`` of a frame, whatever forward it belongs to
@@ -20,7 +20,7 @@ computed them. This asks only that a kernel, given the same call, compute the sa
 the clock or the other rows); it does not depend on which algorithm a CPU's kernels choose.
 
 The cost is in the padding: a 1-token step runs each GEMM over ``FRAME_ROWS`` rows. On a CPU, decoding is bound by
-reading the weights, and a 16-row bfloat16 GEMM reads them once, as a 1-row GEMV does (docs/algorithm.md §3.4
+reading the weights, and a 16-row bfloat16 GEMM reads them once, as a 1-row GEMV does (docs/algorithm.md §3.7
 gives the measured A/B). A verify of up to ``FRAME_ROWS`` consecutive tokens is one frame (positions ``p .. p+15``
 fall in 16 different rows); attention costs one call per query instead of one per forward.
 

@@ -3,7 +3,7 @@
 Every assertion compares two computations on one machine, bit for bit or token for token; none compares against
 stored bits, so the tests hold on any CPU. With torch's own calls instead of frames (``uses_frames`` patched to
 False), the forward and end-to-end tests here fail on the AVX-512/AMX Xeon they were written on, in bfloat16 and
-float16 (docs/algorithm.md §3.4 gives the per-op table from ``tools/width_invariance.py ops``).
+float16 (docs/algorithm.md §3.7 gives the per-op table from ``tools/width_invariance.py ops``).
 """
 
 from __future__ import annotations
