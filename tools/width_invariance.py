@@ -13,12 +13,12 @@ visible keys, against 16 queries over a causal mask with masked keys after them)
 softmax; then the same row inside a 16-row frame (``model/frames.py``: the same call, other rows changed).
 
 ``cost``: one-process A/B of the target's cached forwards, torch's calls (``torch``) against frames (``frames``):
-a 1-token step and a 16-token verify at ``--context`` tokens of context, interleaved (the order alternates each
-repetition), medians over ``--reps``; then, in each mode, how many of a verify's 16 rows are the bits of the
-1-token steps over the same tokens, and the largest logit difference. ``--shape`` builds a random model of a
-published shape in memory (weights N(0, 0.02) drawn in place in the dtype, no float32 copy); ``--target`` loads a
-Hugging Face folder. Threads as the torch backend sets them (``plugins/torch_ref/threads.py``). The 1.7B shape
-needs ~4 GB: run it under a memory cap.
+a 1-token step and a 16-token verify at ``--context`` tokens of context, and that context as a prompt,
+interleaved (the order alternates each repetition), medians over ``--reps``; then, in each mode, how many of a
+verify's 16 rows are the bits of the 1-token steps over the same tokens, and the largest logit difference.
+``--shape`` builds a random model of a published shape in memory (weights N(0, 0.02) drawn in place in the
+dtype, no float32 copy); ``--target`` loads a Hugging Face folder. Threads as the torch backend sets them
+(``plugins/torch_ref/threads.py``). The 1.7B shape needs ~4 GB: run it under a memory cap.
 """
 
 from __future__ import annotations
@@ -141,18 +141,26 @@ def cost(model: TargetModel, context: int, reps: int) -> None:
         model(tokens[:, context:context + width], context, cache, (), width == 1)
         return time.perf_counter() - begin
 
+    def prompt(mode: str) -> float:
+        """The context as a prompt (last token's logits only), rewritten in place."""
+        target_module.uses_frames = (lambda dtype: True) if mode == "frames" else (lambda dtype: False)
+        cache.crop(0)
+        begin = time.perf_counter()
+        model(tokens[:, :context], 0, cache, (), True)
+        return time.perf_counter() - begin
+
     with torch.inference_mode():
         target_module.uses_frames = lambda dtype: False
         model(tokens[:, :context], 0, cache, (), True)  # the context, once
         for mode in modes:  # warm-up
             forward(mode, 1)
             forward(mode, FRAME_ROWS)
-        times = {(mode, width): [] for mode in modes for width in (1, FRAME_ROWS)}
+        times = {(mode, width): [] for mode in modes for width in (1, FRAME_ROWS, "prompt")}
         for rep in range(reps):
             order = modes if rep % 2 == 0 else modes[::-1]
-            for width in (1, FRAME_ROWS):
+            for width in (1, FRAME_ROWS, "prompt"):
                 for mode in order:
-                    times[mode, width].append(forward(mode, width))
+                    times[mode, width].append(prompt(mode) if width == "prompt" else forward(mode, width))
         agreement = {mode: verify_against_steps(model, cache, tokens, context, mode) for mode in modes}
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
@@ -161,14 +169,16 @@ def cost(model: TargetModel, context: int, reps: int) -> None:
     for mode in modes:
         step, verify = (statistics.median(times[mode, w]) for w in (1, FRAME_ROWS))
         print(f"  {mode:<7} 1-token step {step * 1e3:8.1f} ms ({1 / step:6.2f} tok/s)   verify({FRAME_ROWS}) "
-              f"{verify * 1e3:8.1f} ms   verify/step {verify / step:5.2f}")
+              f"{verify * 1e3:8.1f} ms   verify/step {verify / step:5.2f}   prompt({context}) "
+              f"{statistics.median(times[mode, 'prompt']) * 1e3:8.1f} ms")
     for mode in modes:
         same, drift = agreement[mode]
         print(f"  {mode:<7} verify rows bit-identical to 1-token steps: {same}/{FRAME_ROWS}, max |logit difference| "
               f"{drift:.3g}")
-    for width in (1, FRAME_ROWS):
+    for width in (1, FRAME_ROWS, "prompt"):
         ratios = [f / t for f, t in zip(times["frames", width], times["torch", width])]
-        print(f"  frames/torch at width {width:>2}: median {statistics.median(ratios):.3f} "
+        label = f"prompt({context})" if width == "prompt" else f"width {width}"
+        print(f"  frames/torch, {label:<11}: median {statistics.median(ratios):.3f} "
               f"(paired, range {min(ratios):.3f}-{max(ratios):.3f})")
 
 
