@@ -109,8 +109,8 @@ class Session:
         # the backend sizes its caches from these limits, refuses them when they do not fit the memory available
         # (runtime/memory.py), then allocates them once
         self.backend = create_backend(backend, pair, self.max_seq_len, engine, max_batch)
+        # what the caches take: kv_cache.line() is the start-up line the commands print
         self.kv_cache: KVCachePlan | None = getattr(self.backend, "kv_cache", None)
-        """What the caches take (``kv_cache.line()`` is the start-up line the commands print)."""
         self.tokenizer: Tokenizer | None = pair.tokenizer
         self.costs = CostModel()
         if self.backend.max_batch < max_batch:
