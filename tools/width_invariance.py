@@ -5,12 +5,16 @@ Run from the repository root::
     .venv/bin/python tools/width_invariance.py ops
     .venv/bin/python tools/width_invariance.py cost --shape qwen3-0.6b --dtype bfloat16
     .venv/bin/python tools/width_invariance.py cost --target /path/to/hf-folder --dtype bfloat16
+    .venv/bin/python tools/width_invariance.py greedy --target /path/to/hf-folder --draft /path/to/drafter
 
 ``ops``: for each dtype (float32, bfloat16, float16) and each op of the target's forward, the number of rows
 (of 16) whose bits differ when the row is computed alone (a 1-token step) and inside a 16-row call (a verify):
 torch's linear at the linear shapes of Qwen3-1.7B and 0.6B, ``scaled_dot_product_attention`` (one query over its
 visible keys, against 16 queries over a causal mask with masked keys after them), the target's RMSNorm, SiLU,
 softmax; then the same row inside a 16-row frame (``model/frames.py``: the same call, other rows changed).
+
+``greedy``: greedy DFlash (block 16) against plain decoding of the same session (block 1) on four text prompts,
+with the target in frames and in torch's own calls: which prompts part, and at which token.
 
 ``cost``: one-process A/B of the target's cached forwards, torch's calls (``torch``) against frames (``frames``):
 a 1-token step and a 16-token verify at ``--context`` tokens of context, and that context as a prompt,
@@ -196,6 +200,34 @@ def verify_against_steps(model: TargetModel, cache, tokens: torch.Tensor, contex
     return same, (verify.float() - steps.float()).abs().max().item()
 
 
+GREEDY_PROMPTS = ("The history of the city begins", "def fibonacci(n):", "Question: what is 17 times 23? Answer:",
+                  "Once upon a time, in a small village by the sea,")
+
+
+def greedy(target: str, draft: str, dtype: str, forms: tuple[str, ...], new_tokens: int) -> None:
+    """Greedy DFlash (block 16) against plain decoding (block 1, the same session) on ``GREEDY_PROMPTS``, the target
+    run in each of ``forms`` (``frames``, ``torch``), one load."""
+    from dflash_trt.config import SamplingParams
+    from dflash_trt.runtime.session import Session
+
+    session = Session.from_checkpoints(target, draft, dtype=dtype, max_seq_len=128)
+    for form in forms:
+        target_module.uses_frames = (lambda d: True) if form == "frames" else (lambda d: False)
+        differing = 0
+        for text in GREEDY_PROMPTS:
+            ids = session.encode(text)
+            plain = session.generate(ids, SamplingParams(max_new_tokens=new_tokens, block_len=1,
+                                                         stop_token_ids=())).token_ids
+            dflash = session.generate(ids, SamplingParams(max_new_tokens=new_tokens, block_len=FRAME_ROWS,
+                                                          stop_token_ids=())).token_ids
+            first = next((i for i, (a, b) in enumerate(zip(plain, dflash)) if a != b), None)
+            differing += first is not None
+            verdict = "DFlash == plain" if first is None else f"DFlash differs from token {first}"
+            print(f"  {form:<7} prompt of {len(ids):>2} tokens: {len(set(plain))} distinct of {len(plain)} plain "
+                  f"tokens; {verdict}", flush=True)
+        print(f"{form}: {differing} of {len(GREEDY_PROMPTS)} prompts differ ({dtype}, {new_tokens} new tokens)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -206,9 +238,18 @@ def main() -> None:
     costs.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     costs.add_argument("--context", type=int, default=64)
     costs.add_argument("--reps", type=int, default=7)
+    greedy_parser = sub.add_parser("greedy", help="greedy DFlash vs plain decoding, in frames and in torch's calls")
+    greedy_parser.add_argument("--target", required=True)
+    greedy_parser.add_argument("--draft", required=True)
+    greedy_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    greedy_parser.add_argument("--forms", default="frames,torch")
+    greedy_parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
     if args.command == "ops":
         ops_table()
+        return
+    if args.command == "greedy":
+        greedy(args.target, args.draft, args.dtype, tuple(args.forms.split(",")), args.max_new_tokens)
         return
     dtype = DTYPES[args.dtype]
     model = loaded_model(args.target, dtype) if args.target else random_model(args.shape, dtype)
