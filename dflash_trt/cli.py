@@ -162,7 +162,10 @@ Examples:
 @click.option("--draft", type=click.Path(exists=True, path_type=Path), help="Also check this drafter against PATH.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(path, draft, as_json) -> None:
-    """Describe a checkpoint (target or drafter), or check a target/drafter pair."""
+    """Describe a checkpoint (target or drafter), or check a target/drafter pair.
+
+    Reads config.json and the safetensors headers only: every tensor's name and shape is checked, no weight is
+    loaded (values, such as NaN weights, are checked when run, build or serve load them)."""
     from dflash_trt.builder.inspect import describe_checkpoint, describe_pair
 
     info = describe_pair(path, draft) if draft is not None else describe_checkpoint(path)
