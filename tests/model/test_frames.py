@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import PROMPT_VOCAB, DraftSpec, TargetSpec
+from tiny_models import PROMPT_VOCAB, DraftSpec, TargetSpec, training_prompts
 
 from dflash_trt.builder.load import load_target
 from dflash_trt.config import SamplingParams
@@ -131,6 +131,20 @@ def test_greedy_dflash_equals_plain_decoding_in_half_precision(half_sessions, sp
             result = speculative.generate(prompt, SamplingParams(max_new_tokens=40, block_len=block_len))
             assert result.token_ids == expected, f"block_len {block_len}, prompt {prompt}"
     assert len(seen) >= 12, "the target's greedy output must vary for the test to mean anything"
+
+
+def test_greedy_dflash_with_a_distilled_drafter_equals_plain_decoding_in_bfloat16(zoo):
+    """Accepted drafts (a drafter distilled on the target, the spec tests/runtime/test_lossless.py distils too, so the
+    session-wide zoo builds it once): verify rows past the first are committed, and still equal plain decoding."""
+    drafter = zoo.drafter(QWEN3, DraftSpec(distill_steps=60))
+    session = Session.from_checkpoints(zoo.target(QWEN3), drafter, dtype="bfloat16")
+    accepted = []
+    for prompt in training_prompts(0, 8):
+        plain = session.generate(prompt, SamplingParams(max_new_tokens=40, block_len=1)).token_ids
+        result = session.generate(prompt, SamplingParams(max_new_tokens=40, block_len=4))
+        assert result.token_ids == plain, f"prompt {prompt}"
+        accepted += result.acceptance_lengths
+    assert max(accepted) == 4 and sum(accepted) / len(accepted) > 1.3, "drafts must be accepted to test deep rows"
 
 
 def test_greedy_dflash_equals_plain_decoding_for_concurrent_requests_in_bfloat16(zoo, half_sessions):
