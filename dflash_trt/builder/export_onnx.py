@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -462,14 +463,25 @@ def stored_tensors(file: Path, location: str, names: Mapping[str, str]) -> dict[
 _IR_DTYPES = {torch.float32: "FLOAT", torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16"}
 
 
+FOLD_LIMIT_BYTES = 1 << 30
+"""ONNX Runtime folds a constant subgraph (a weight's Cast, its Transpose) at session start only when the result is
+at most this size (``optimization.constant_folding_max_output_size_in_bytes``, 1 GiB by default); a larger one would
+run at every call. A linear whose float32 weight is larger (an LM head of 151,936 x 2,048) is split into row blocks
+under it."""
+
+
 def _bind_weights(graph, weights: Mapping[str, StoredTensor], folder: Path) -> None:
-    """Point every weight initializer at its stored bytes (external data). A weight stored in bfloat16/float16 keeps
-    that dtype in the file and gets one ``Cast`` to float32 (the CPU kernels' dtype), which ONNX Runtime folds when
-    it loads the session (a float32 copy it holds); an embedding read only by ``Gather`` is gathered in its stored
-    dtype and the rows are cast, so the table is never converted."""
+    """Point every weight initializer at its stored bytes (external data), in the dtype they are stored in.
+
+    A bfloat16/float16 weight reaches the float32 kernels (ONNX Runtime's CPU EP has no bf16 MatMul) through one
+    ``Cast`` that ONNX Runtime folds when it opens the session; an embedding read by ``Gather`` is gathered in its
+    stored dtype and the rows are cast (the table is never converted); a linear (``Transpose`` + ``MatMul``) whose
+    float32 weight exceeds :data:`FOLD_LIMIT_BYTES` is computed in row blocks of the same stored bytes, each block's cast and
+    transpose small enough to fold, the block outputs concatenated."""
     import onnx_ir as ir
 
-    casts = []
+    fold_limit = FOLD_LIMIT_BYTES
+    head: list = []
     for name, value in list(graph.initializers.items()):
         if name not in weights:
             if value.const_value is None:
@@ -478,32 +490,101 @@ def _bind_weights(graph, weights: Mapping[str, StoredTensor], folder: Path) -> N
         stored = weights[name]
         if tuple(value.shape) != stored.shape:
             raise ValueError(f"initializer {name!r} has shape {tuple(value.shape)}; its stored tensor has {stored.shape}")
-        dtype = getattr(ir.DataType, _IR_DTYPES[stored.dtype])
-        external = ir.ExternalTensor(stored.location, stored.offset, stored.nbytes, dtype, shape=ir.Shape(stored.shape),
-                                     name=name, base_dir=str(folder))
-        if stored.dtype == torch.float32:
-            value.const_value = external
-            continue
         uses = list(value.uses())
         graph.initializers.pop(name)
-        held = ir.Value(name=name, shape=ir.Shape(stored.shape), type=ir.TensorType(dtype), const_value=external)
+        held = _external(stored, name, folder)
         graph.register_initializer(held)
-        if uses and all(node.op_type == "Gather" and index == 0 for node, index in uses):
-            # an embedding: gather the stored rows, then cast them (no float32 copy of the table is ever made)
-            for gather, _ in uses:
-                gather.replace_input_with(0, held)
-                rows = gather.outputs[0]
-                rows.type = ir.TensorType(dtype)
+        floating = held
+        for node, index in uses:
+            if node.op_type == "Gather" and index == 0 and stored.dtype != torch.float32:
+                node.replace_input_with(0, held)  # an embedding: gather the stored rows, then cast them
+                rows = node.outputs[0]
+                rows.type = ir.TensorType(held.dtype)
                 cast = _cast(rows, f"{rows.name}.float")
-                for node, index in [use for use in rows.uses() if use[0] is not cast]:
-                    node.replace_input_with(index, cast.outputs[0])
-                graph.insert_after(gather, cast)
-            continue
-        cast = _cast(held, f"{name}.float")
-        value.replace_all_uses_with(cast.outputs[0])
-        casts.append(cast)
-    if casts:
-        graph.insert_before(next(iter(graph)), casts)
+                for user, slot in [use for use in rows.uses() if use[0] is not cast]:
+                    user.replace_input_with(slot, cast.outputs[0])
+                graph.insert_after(node, cast)
+            elif len(stored.shape) == 2 and 4 * math.prod(stored.shape) > fold_limit and _is_linear(node):
+                _blocked_linear(graph, node, stored, name, folder, fold_limit)
+            else:
+                if floating is held and stored.dtype != torch.float32:
+                    cast = _cast(held, f"{name}.float")
+                    head.append(cast)
+                    floating = cast.outputs[0]
+                node.replace_input_with(index, floating)
+    if head:
+        graph.insert_before(next(iter(graph)), head)
+
+
+def _external(stored: StoredTensor, name: str, folder: Path, rows: tuple[int, int] | None = None):
+    """An initializer whose data is ``stored`` (or its rows ``start:stop``) in its file."""
+    import onnx_ir as ir
+
+    shape, offset, nbytes = stored.shape, stored.offset, stored.nbytes
+    if rows is not None:
+        row_bytes = stored.nbytes // stored.shape[0]
+        shape, offset, nbytes = (rows[1] - rows[0],) + stored.shape[1:], offset + rows[0] * row_bytes, \
+            (rows[1] - rows[0]) * row_bytes
+    dtype = getattr(ir.DataType, _IR_DTYPES[stored.dtype])
+    data = ir.ExternalTensor(stored.location, offset, nbytes, dtype, shape=ir.Shape(shape), name=name,
+                             base_dir=str(folder))
+    return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=data)
+
+
+def _is_linear(node) -> bool:
+    """``Transpose(W)`` (perm 1,0) whose only use is the right operand of a ``MatMul``: ``F.linear`` as exported."""
+    if node.op_type != "Transpose" or list(node.attributes.get_ints("perm", [1, 0])) != [1, 0]:
+        return False
+    uses = list(node.outputs[0].uses())
+    return len(uses) == 1 and uses[0][0].op_type == "MatMul" and uses[0][1] == 1
+
+
+def _blocked_linear(graph, transpose, stored: StoredTensor, name: str, folder: Path, fold_limit: int) -> None:
+    """Replace ``MatMul(x, Transpose(W))`` by one MatMul per block of W's rows (external data into the same stored
+    tensor) and a ``Concat`` of their outputs on the last axis: every dot product is the unsplit one."""
+    import onnx_ir as ir
+
+    (matmul, _), = transpose.outputs[0].uses()
+    rows, columns = stored.shape
+    per_block = max(1, fold_limit // (4 * columns * 2))  # each block's float32 copy well under the limit
+    outputs, nodes = [], []
+    for block, start in enumerate(range(0, rows, per_block)):
+        stop = min(rows, start + per_block)
+        chunk = _external(stored, f"{name}.rows{block}", folder, (start, stop))
+        graph.register_initializer(chunk)
+        source = chunk
+        if stored.dtype != torch.float32:
+            cast = _cast(chunk, f"{chunk.name}.float")
+            nodes.append(cast)
+            source = cast.outputs[0]
+        flip = ir.Node("", "Transpose", [source], [ir.AttrInt64s("perm", [1, 0])], num_outputs=1,
+                       name=f"{chunk.name}.transpose")
+        _describe(flip.outputs[0], f"{chunk.name}.t", (columns, stop - start))
+        product = ir.Node("", "MatMul", [matmul.inputs[0], flip.outputs[0]], num_outputs=1,
+                          name=f"{chunk.name}.matmul")
+        whole = matmul.outputs[0].shape
+        _describe(product.outputs[0], f"{chunk.name}.out",
+                  None if whole is None else tuple(whole)[:-1] + (stop - start,))
+        nodes += [flip, product]
+        outputs.append(product.outputs[0])
+    old = matmul.outputs[0]
+    concat = ir.Node("", "Concat", outputs, [ir.AttrInt64("axis", -1)], num_outputs=1, name=f"{name}.concat")
+    _describe(concat.outputs[0], f"{name}.concat_out", None if old.shape is None else tuple(old.shape))
+    graph.insert_before(matmul, nodes + [concat])
+    result_name = old.name
+    old.replace_all_uses_with(concat.outputs[0], replace_graph_outputs=True)
+    old.name = f"{result_name}.unsplit"
+    concat.outputs[0].name = result_name
+    graph.remove([matmul, transpose], safe=True)
+
+
+def _describe(value, name: str, shape: tuple | None) -> None:
+    """Name a new float32 value and give it its shape (or none: type and shape are then left to inference)."""
+    import onnx_ir as ir
+
+    value.name = name
+    if shape is not None:
+        value.shape, value.type = ir.Shape(shape), ir.TensorType(ir.DataType.FLOAT)
 
 
 def _cast(value, name: str):

@@ -150,3 +150,43 @@ def test_an_onnxruntime_engine_stores_each_weight_once_in_the_checkpoint_dtype(h
     dflash = Session.load(out, "onnxruntime").generate(prompt, params)
     reference = Session.from_checkpoints(target, draft).generate(prompt, params)
     assert dflash.token_ids == plain.token_ids == reference.token_ids
+
+
+def test_a_linear_too_large_for_onnx_runtime_to_fold_is_computed_in_row_blocks_with_the_same_logits(
+        hf_pair, stories, tmp_path, monkeypatch):
+    """ONNX Runtime folds a weight's Cast/Transpose only under 1 GiB; a larger LM head is split into row blocks of the
+    same stored bytes (forced here with a small limit) and gives the unsplit logits bit for bit."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from dflash_trt.builder import export_onnx
+    from dflash_trt.builder.engine import _graph_weights, _hollow_pair
+    from dflash_trt.builder.tensor_stream import TensorSource
+
+    target, _ = hf_pair
+    folder = tmp_path / "onnx"
+    folder.mkdir()
+    shutil.copyfile(target / "model.safetensors", folder / "target.safetensors")  # HF names: bound by hand
+    names = {f"model.{k.removeprefix('model.')}": k for k in TensorSource.from_folder(target).specs}
+    names["model.lm_head.weight"] = "model.embed_tokens.weight"
+    weights = export_onnx.stored_tensors(folder / "target.safetensors", "target.safetensors", names)
+    pair = _hollow_pair(stories.target.config, None, None, target, None)
+    limits = export_onnx.GraphLimits(2, 64, 4, export_onnx.OPSET_ONNXRUNTIME)
+    export_onnx.export_step_target(pair.target, (1, 3), folder / "whole.onnx", limits, weights)
+    monkeypatch.setattr(export_onnx, "FOLD_LIMIT_BYTES", 40_000)
+    export_onnx.export_step_target(pair.target, (1, 3), folder / "blocks.onnx", limits, weights)
+    nodes = onnx.load(str(folder / "blocks.onnx"), load_external_data=False).graph.node
+    blocks = [n for n in nodes if n.op_type == "MatMul" and n.name.startswith("model.lm_head.weight.rows")]
+    assert len(blocks) == 7  # 512 rows x 64 bf16 -> float32 blocks of 78 rows
+    logits = {}
+    for name in ("whole", "blocks"):
+        session = ort.InferenceSession(str(folder / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+        feeds = {"tokens": np.array([[5, 9, 33], [7, 7, 1]]), "positions": np.array([[0, 1, 2]] * 2),
+                 "seqlens_k": np.array([2, 2], np.int32), "total_length": np.array(3, np.int32),
+                 "query_seqlens": np.array([3, 3], np.int32)}
+        for i in session.get_inputs():
+            if "cache" in i.name:
+                feeds[i.name] = np.zeros((2, i.shape[1], 8, i.shape[3]), np.float32)
+        logits[name] = session.run(["logits"], feeds)[0]
+    assert logits["whole"].shape == (2, 3, 512) and np.array_equal(logits["whole"], logits["blocks"])
