@@ -1,0 +1,126 @@
+"""Forward costs of simulated machines: what a target or draft forward of given rows costs, in seconds.
+
+A *regime* prices one forward from its rows, each ``(context, width)`` (positions already cached, tokens
+computed), and the host time of a scheduler step outside its forwards:
+
+- ``cpu``: the embedded stories260K pair's ONNX Runtime engine on this repository's 2-core Xeon, from the costs
+  ``dflash-trt bench`` measured (docs/benchmarks.md, "Engines": plain step 0.58 ms, verify(16) 0.81 ms,
+  draft(16) 0.69 ms and 0.32 ms of other work per cycle at c=1; a 16-row x 16-token verify 5.5-8 ms; plain
+  decoding at c=16 ~5x its c=1 throughput; attention ~14 ns per key, head and layer), as a base plus a per-token
+  term (tests/cost_tables.py's form). Draft calls are priced batched (the torch backend's; the engine's drafter
+  takes one request per call, which makes drafting dearer at c > 1 than here).
+- ``cpu-0.6b``: a Qwen3-0.6B-shaped target with a 1-layer drafter (tools/make_checkpoints.py), torch eager
+  float32 on the same CPU, from one ``dflash-trt bench ... --concurrency 1 --max-new-tokens 32`` cell: plain
+  verify 142 ms, verify(16) 389 ms, draft(16) 177 ms, 0.2 ms / 2.2 ms of other work per plain / drafting
+  step. A cycle costs ~4x a plain step: the case where a cold session's probes hurt most.
+- roofline (``h200-1k``, ``h200-32k``): an 8B bf16 target (Qwen3-8B's shape) and a ~1B bf16 drafter on an
+  H200-class GPU: each forward costs ``max(bytes / bandwidth, flops / peak)`` plus a fixed launch overhead,
+  where bytes are the weights plus the KV cache each row reads (growing with its context) and flops are
+  2 x parameters per token plus attention over the context. Host work per step: 0.3 ms + 5 us per row (plain),
+  0.5 ms + 15 us per row (drafting), assumed.
+- ``compute-bound``: the same at 35% of the peak FLOP rate, so a forward is compute-bound from ~70 tokens
+  (batch x width) on: high-batch drafting pays for every drafted token.
+
+Noise and load bursts are not here: the simulated backend multiplies these costs by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A compute-bound CPU: a forward costs a base plus a per-token term (tests/cost_tables.py's form) plus
+    attention per cached key and row; a context tap taken in by the drafter costs a quarter of a block token
+    (it skips the MLPs and the LM head)."""
+
+    verify_base: float
+    verify_token: float
+    draft_base: float
+    draft_token: float
+    key_s: float  # per row and cached key
+    step_s: float  # host time of a plain step ...
+    step_row_s: float  # ... plus this per row
+    drafting_s: float  # host time of a drafting step ...
+    drafting_row_s: float  # ... plus this per row
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A simulated machine and model pair (see the module docstring); ``context`` is the prompt length served
+    (None: each request's recorded prompt)."""
+
+    name: str
+    description: str
+    context: int | None
+    linear: Linear | None = None  # None: the roofline below
+    efficiency: float = 1.0  # roofline: fraction of the peak FLOP rate reached
+
+    # ---- roofline: H200-class GPU, Qwen3-8B-shaped target, ~1B drafter (bf16) ----
+    bandwidth = 4.8e12  # bytes/s (HBM3e)
+    peak_flops = 990e12  # dense bf16 FLOP/s
+    launch_s = 50e-6  # per forward: kernel launches of a captured graph / engine enqueue
+    target_params = 8.2e9
+    target_kv_bytes = 36 * 8 * 128 * 2 * 2  # per cached token: layers x KV heads x head dim x (K, V) x bf16
+    target_attn_flops = 4 * 36 * 32 * 128  # per token and key: QK^T and PV over layers x query heads x head dim
+    draft_params = 1.0e9  # its own layers and the (shared) LM head it reads
+    draft_kv_bytes = 5 * 8 * 128 * 2 * 2
+    draft_attn_flops = 4 * 5 * 32 * 128
+    draft_tap_flops = 2 * 0.126e9  # per context tap taken in: the fc projection and the K/V projections
+    gpu_step_s = 300e-6  # host work of a plain step (sampling, bookkeeping) ...
+    gpu_step_row_s = 5e-6  # ... plus this per row
+    gpu_drafting_s = 500e-6  # host work of a drafting step (acceptance, draft ids to the host) ...
+    gpu_drafting_row_s = 15e-6  # ... plus this per row
+
+    def verify(self, rows: list[tuple[int, int]]) -> float:
+        """A target forward over ``rows`` of ``(context, width)``."""
+        tokens = sum(w for _, w in rows)
+        if self.linear is not None:
+            cpu = self.linear
+            return cpu.verify_base + cpu.verify_token * tokens + cpu.key_s * sum(c + w for c, w in rows)
+        nbytes = 2 * self.target_params + self.target_kv_bytes * sum(c + w for c, w in rows)
+        flops = 2 * self.target_params * tokens + self.target_attn_flops * sum(w * (c + w) for c, w in rows)
+        return self.launch_s + max(nbytes / self.bandwidth, flops / (self.peak_flops * self.efficiency))
+
+    def draft(self, rows: list[tuple[int, int, int]]) -> float:
+        """A draft forward over ``rows`` of ``(context, width, taps)``: a block of ``width`` tokens after
+        ``context`` positions, taking in ``taps`` new context positions first."""
+        if self.linear is not None:
+            cpu = self.linear
+            tokens = sum(w + t / 4 for _, w, t in rows)
+            return cpu.draft_base + cpu.draft_token * tokens + cpu.key_s * sum(c + w for c, w, _ in rows)
+        nbytes = 2 * self.draft_params + self.draft_kv_bytes * sum(c + w for c, w, _ in rows)
+        flops = sum(2 * self.draft_params * w + self.draft_tap_flops * t + self.draft_attn_flops * w * (c + w)
+                    for c, w, t in rows)
+        return self.launch_s + max(nbytes / self.bandwidth, flops / (self.peak_flops * self.efficiency))
+
+    def host(self, drafting: bool, batch: int) -> float:
+        """A scheduler step's time outside its forwards."""
+        if self.linear is not None:
+            cpu = self.linear
+            return cpu.drafting_s + cpu.drafting_row_s * batch if drafting else cpu.step_s + cpu.step_row_s * batch
+        return (self.gpu_drafting_s + self.gpu_drafting_row_s * batch if drafting
+                else self.gpu_step_s + self.gpu_step_row_s * batch)
+
+    def plain_step(self) -> float:
+        """A batch-1 plain step at the served context: the unit load bursts are timed in."""
+        return self.verify([(self.context or 64, 1)]) + self.host(False, 1)
+
+
+EMBEDDED_ORT = Linear(verify_base=0.405e-3, verify_token=0.025e-3, draft_base=0.30e-3, draft_token=0.024e-3,
+                      key_s=5 * 8 * 14e-9, step_s=0.09e-3, step_row_s=0.06e-3, drafting_s=0.26e-3,
+                      drafting_row_s=0.12e-3)
+QWEN3_06B_TORCH = Linear(verify_base=125.8e-3, verify_token=16.4e-3, draft_base=60e-3, draft_token=7.3e-3,
+                         key_s=0.0, step_s=0.2e-3, step_row_s=0.05e-3, drafting_s=2.1e-3, drafting_row_s=0.1e-3)
+
+REGIMES = {
+    "cpu": Regime("cpu", "embedded stories260K pair, ONNX Runtime engine, 2-core Xeon (measured costs)", None,
+                  EMBEDDED_ORT),
+    "cpu-0.6b": Regime("cpu-0.6b", "Qwen3-0.6B-shaped target + 1-layer drafter, torch eager fp32, 2-core Xeon "
+                       "(measured costs)", None, QWEN3_06B_TORCH),
+    "h200-1k": Regime("h200-1k", "8B bf16 target + 1B drafter, H200 roofline, 1k-token prompts", 1024),
+    "h200-32k": Regime("h200-32k", "8B bf16 target + 1B drafter, H200 roofline, 32k-token prompts", 32768),
+    "compute-bound": Regime("compute-bound", "8B bf16 target + 1B drafter, H200 bandwidth at 35% of the peak "
+                            "FLOP rate, 1k-token prompts", 1024, efficiency=0.35),
+}

@@ -1,0 +1,121 @@
+"""The policy simulator (bench/simulate.py): the unchanged scheduler and policy on simulated time, costs and
+acceptance, and the issue's bars for the ``auto`` policy on it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dflash_trt.bench import acceptance_traces, simulate
+from dflash_trt.bench.sim_regimes import REGIMES
+from dflash_trt.runtime import calibration, scheduler
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return acceptance_traces.load()
+
+
+def test_shipped_traces_say_how_they_were_made_and_span_the_workloads(traces):
+    assert set(simulate.WORKLOADS) <= set(traces)
+    assert traces["stories_t0"].tau > 3.5  # the shipped drafter in domain (bench: τ 4.2-4.5)
+    assert traces["spec_bench_t0"].tau < traces["stories_t0"].tau  # out of domain
+    assert traces["untrained"].tau < 1.05
+    for workload in traces.values():
+        assert len(workload.requests) == len(workload.prompt_lengths) >= 32
+        assert all(0 <= a < workload.block_len for r in workload.requests for a in r)
+
+
+def test_positions_continue_a_recorded_run():
+    workload = acceptance_traces.Workload("w", "", 16, (4,), ((3, 0, 15),))
+    assert workload.positions(0) == [3, 2, 1, 0, 0, *range(15, -1, -1)]
+
+
+def test_a_static_run_replays_the_trace_exactly(traces):
+    """Full blocks without noise: every cycle accepts what was recorded, so the simulated request commits the
+    recorded tokens in the recorded number of cycles."""
+    workload = traces["stories_t0"]
+    result = simulate.run(REGIMES["h200-1k"], workload, 1, "static:15", requests=1, noise=False)
+    offset = __import__("random").Random(0).randrange(len(workload.requests))
+    recorded = workload.requests[offset]
+    assert result.steps == len(recorded)
+    assert result.tokens == sum(a + 1 for a in recorded)
+    assert sum(result.draft_lens.values()) == len(recorded)
+
+
+def test_same_seed_same_result_and_the_clock_is_restored(traces):
+    runs = [simulate.run(REGIMES["cpu"], traces["stories_t0"], 4, "auto", seed=3, requests=8) for _ in range(2)]
+    assert (runs[0].tokens, runs[0].seconds, runs[0].draft_lens) == (runs[1].tokens, runs[1].seconds,
+                                                                      runs[1].draft_lens)
+    assert scheduler.time is time and calibration.time is time
+    other = simulate.run(REGIMES["cpu"], traces["stories_t0"], 4, "auto", seed=4, requests=8)
+    assert other.seconds != runs[0].seconds
+
+
+def test_plain_decoding_costs_what_the_regime_says(traces):
+    """No noise, one request: simulated time = its plain steps at the regime's price (nothing else is counted)."""
+    workload = traces["untrained"]
+    regime = REGIMES["h200-1k"]
+    result = simulate.run(regime, workload, 1, "plain", requests=1, noise=False)
+    assert result.tokens == result.steps  # one token a step
+    per_step = regime.verify([(regime.context, 1)]) + regime.host(False, 1)
+    assert result.seconds == pytest.approx(per_step * result.steps, rel=0.01)
+
+
+def test_the_oracle_and_drafting_win_where_they_should(traces):
+    """Sanity of the regimes: in domain at c=1 drafting beats plain decoding on the GPU roofline; on the CPU at
+    c=64 full blocks lose."""
+    gpu = simulate.cell("h200-1k", 1, traces["stories_t0"], requests_per_slot=8)
+    assert gpu.ratio("static:15") > 2.0 and gpu.ratio("oracle") > 2.0
+    cpu = simulate.cell("cpu", 64, traces["stories_t0"], requests_per_slot=1, policies=("plain", "static:15"))
+    assert cpu.ratio("static:15") < 0.8
+
+
+# ---- the issue's bars, on every regime x concurrency, in domain and with an untrained drafter ----
+# (docs/adaptive.md has the full table: more requests, longer outputs, five workloads)
+
+CI_WORKLOADS = ("stories_t0", "untrained")
+CI_SCALE = dict(requests_per_slot=1, max_tokens=32)
+COLD_PROBES = ("cold start: the first 8 requests each draft up to 4 full blocks without credit, at ~3x a plain "
+               "step on a CPU; in a 32-request run of 32 tokens that is more than 5% of the time served")
+BATCH_PROBES = ("cold start: the first step exploits the uninformed prior (alpha 0.5) on every row, which counts "
+                "all 16-64 requests as sampled, and the first exploration is paid from an unbounded starting bank: "
+                "every row drafts full blocks for two steps where drafting loses")
+KNOWN_FAILURES = {  # (regime, concurrency, workload) -> why the current policy misses the bar (docs/adaptive.md)
+    ("cpu", 1, "untrained"): COLD_PROBES,
+    ("cpu", 4, "untrained"): COLD_PROBES,
+    ("cpu", 4, "stories_t0"): COLD_PROBES + " (plain decoding is the best fixed choice here)",
+    ("cpu-0.6b", 1, "untrained"): COLD_PROBES,
+    ("h200-32k", 16, "untrained"): BATCH_PROBES,
+    ("compute-bound", 16, "untrained"): BATCH_PROBES,
+    ("h200-1k", 64, "untrained"): BATCH_PROBES,
+    ("h200-32k", 64, "untrained"): BATCH_PROBES,
+    ("h200-32k", 64, "stories_t0"): "a wide verify at 32k context is priced as its 64-position calibration times "
+                                    "the drift plain steps measured (KV reads x18): k=15 looks 4x dearer than it is, "
+                                    "so auto drafts 3 where 15 wins (1.44x against 1.71x plain)",
+}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("concurrency", simulate.CONCURRENCIES)
+@pytest.mark.parametrize("workload", CI_WORKLOADS)
+def test_auto_is_within_5_percent_of_plain_and_of_the_best_fixed_choice(traces, regime, concurrency, workload,
+                                                                         request):
+    reason = KNOWN_FAILURES.get((regime, concurrency, workload))
+    if reason:
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    cell = simulate.cell(regime, concurrency, traces[workload], **CI_SCALE)
+    assert cell.ratio("auto") >= simulate.BAR * cell.best_fixed, simulate.failures([cell])
+
+
+@pytest.mark.parametrize("regime, concurrency", [
+    pytest.param("cpu-0.6b", 1, marks=pytest.mark.xfail(strict=True, reason=(
+        "13 cold probes of the full block at ~4x a plain step (0.57 s against 0.14 s) cost 10% of the first "
+        "minute: cold probes are bounded in requests (8), not in time"))),
+    ("cpu-0.6b", 4), ("h200-32k", 1)])
+def test_a_cold_session_with_an_untrained_drafter_loses_at_most_5_percent_over_its_first_minute(
+        traces, regime, concurrency):
+    runs = {policy: simulate.run(REGIMES[regime], traces["untrained"], concurrency, policy, requests=10**6,
+                                 limit_s=60.0) for policy in ("plain", "auto")}
+    assert runs["auto"].tokens_per_s >= 0.95 * runs["plain"].tokens_per_s, {p: r.draft_lens for p, r in runs.items()}
