@@ -95,13 +95,13 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
     max_batch = max(config.concurrency)
     prompt_sets = load_prompt_sets(config)
     session = _open_session(target, draft, engine, max_batch, max_seq_len, dtype, prompt_sets, config)
-    click.echo(session.kv_cache.line(), err=True)
     adaptive = None
     if config.adaptive and session.pair.draft is not None:
         adaptive = Session(session.pair, backend=getattr(session.backend, "name", "torch"),
                            max_seq_len=session.max_seq_len, engine=getattr(session, "engine", None),
-                           max_batch=max_batch, speculation=SpeculationConfig(mode="auto"))
-        click.echo(f"{session.kv_cache.line()} for the adaptive (speculation auto) session", err=True)
+                           max_batch=max_batch, speculation=SpeculationConfig(mode="auto"),
+                           announce=lambda line: click.echo(f"{line} for the adaptive (speculation auto) session",
+                                                            err=True))
     peers, notes = ({}, ["peers disabled (--no-peers)"]) if no_peers else available_peers(
         session.pair.target, session.pair.draft_path, session.pair.target.config.eos_token_ids)
     # the sessions, weights and peers live through the timed waves: out of the cyclic GC's reach meanwhile (a full
@@ -154,7 +154,8 @@ def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None
     if max_seq_len is not None and engine is not None and max_seq_len > limit:
         raise RequestError(f"--max-seq-len is {max_seq_len}; expected <= {limit}, the engine's build limit. Fix: pass "
                            f"--max-seq-len {limit} or less, or rebuild the engine with --max-seq-len {max_seq_len}.")
-    return Session(pair, backend=backend, engine=loaded, max_seq_len=max_seq_len, max_batch=max_batch)
+    return Session(pair, backend=backend, engine=loaded, max_seq_len=max_seq_len, max_batch=max_batch,
+                   announce=lambda line: click.echo(line, err=True))
 
 
 def _bench_endpoints(endpoints, datasets, prompts_file, num_prompts, concurrency, request_rate, temperature,

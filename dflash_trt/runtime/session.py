@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Iterable, Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
@@ -89,7 +89,7 @@ class Session:
 
     def __init__(self, pair: ModelPair, *, backend: str = "torch", max_seq_len: int | None = None,
                  engine=None, max_batch: int = 1, speculation: SpeculationConfig | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", announce: Callable[[str], None] | None = None) -> None:
         _check_session_settings(max_seq_len, max_batch, speculation)
         limit = pair.target.config.max_position_embeddings
         if pair.draft is not None:  # the drafter's RoPE table covers its own max_position_embeddings
@@ -109,8 +109,11 @@ class Session:
         # the backend sizes its caches from these limits, refuses them when they do not fit the memory available
         # (runtime/memory.py), then allocates them once
         self.backend = create_backend(backend, pair, self.max_seq_len, engine, max_batch)
-        # what the caches take: kv_cache.line() is the start-up line the commands print
+        # what the caches take: kv_cache.line() is the start-up line the commands print, through ``announce`` as
+        # soon as they are allocated (before the calibration of `auto` speculation, which takes a while at size)
         self.kv_cache: KVCachePlan | None = getattr(self.backend, "kv_cache", None)
+        if announce is not None and self.kv_cache is not None:
+            announce(self.kv_cache.line())
         self.tokenizer: Tokenizer | None = pair.tokenizer
         self.costs = CostModel()
         if self.backend.max_batch < max_batch:
@@ -128,20 +131,24 @@ class Session:
     def from_checkpoints(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
                          dtype: str = "float32", backend: str = "torch", use_draft: bool = True,
                          max_seq_len: int | None = None, max_batch: int = 1,
-                         speculation: SpeculationConfig | None = None, device: str = "cpu") -> Session:
+                         speculation: SpeculationConfig | None = None, device: str = "cpu",
+                         announce: Callable[[str], None] | None = None) -> Session:
         """Load checkpoints (``None`` = the embedded stories260K pair) and build a session.
 
-        ``device`` (torch backend): ``cpu``, or ``cuda``/``cuda:N`` to run the same code on a GPU."""
+        ``device`` (torch backend): ``cpu``, or ``cuda``/``cuda:N`` to run the same code on a GPU.
+        ``announce(line)`` gets the KV cache line once the caches are allocated (before any calibration)."""
         for name, value in (("target", target), ("draft", draft)):
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ConfigError(f"{name} is {value!r}; expected a checkpoint path (str or Path) or None (the "
                                   "embedded stories260K pair). Fix: pass the checkpoint's path.")
         return cls(load_pair(target, draft, dtype=dtype, use_draft=use_draft), backend=backend,
-                   max_seq_len=max_seq_len, max_batch=max_batch, speculation=speculation, device=device)
+                   max_seq_len=max_seq_len, max_batch=max_batch, speculation=speculation, device=device,
+                   announce=announce)
 
     @classmethod
     def load(cls, engine_dir: str | Path, backend: str = "auto", *, max_seq_len: int | None = None,
-             max_batch: int = 1, speculation: SpeculationConfig | None = None) -> Session:
+             max_batch: int = 1, speculation: SpeculationConfig | None = None,
+             announce: Callable[[str], None] | None = None) -> Session:
         """Open an engine folder written by ``dflash-trt build`` (verified: format version, sha256 of every
         artefact, device, TensorRT version, plugin ABI). ``auto`` = the fastest backend it holds that runs here."""
         from dflash_trt.runtime.engine_loader import load_engine
@@ -153,7 +160,7 @@ class Session:
                                f"build limit. Fix: pass --max-seq-len {engine.max_seq_len} or less, or rebuild with "
                                f"--max-seq-len {max_seq_len}.")
         return cls(engine.pair, backend=engine.backend, engine=engine, max_batch=max_batch, speculation=speculation,
-                   max_seq_len=max_seq_len or min(engine.max_seq_len, DEFAULT_MAX_SEQ_LEN))
+                   max_seq_len=max_seq_len or min(engine.max_seq_len, DEFAULT_MAX_SEQ_LEN), announce=announce)
 
     @property
     def manifest_sha256(self) -> str | None:

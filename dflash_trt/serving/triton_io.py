@@ -140,14 +140,16 @@ def open_session(settings: ModelSettings, announce=print) -> Session:
     from dflash_trt.runtime.session import Session, freeze_loaded_objects
 
     policy = SpeculationConfig(mode=settings.speculation)
+
+    def line(text: str) -> None:  # the instance's start-up line in the tritonserver log
+        announce(f"{settings.name}: {text}")
+
     if settings.engine_dir:
         session = Session.load(settings.engine_dir, settings.backend, max_batch=settings.max_batch,
-                               max_seq_len=settings.max_seq_len, speculation=policy)
+                               max_seq_len=settings.max_seq_len, speculation=policy, announce=line)
     else:
         session = Session.from_checkpoints(settings.target, settings.draft, max_batch=settings.max_batch,
-                                           max_seq_len=settings.max_seq_len, speculation=policy)
-    if session.kv_cache is not None:  # the instance's start-up line in the tritonserver log
-        announce(f"{settings.name}: {session.kv_cache.line()}")
+                                           max_seq_len=settings.max_seq_len, speculation=policy, announce=line)
     freeze_loaded_objects()
     return session
 

@@ -56,7 +56,7 @@ class ServeConfig(BaseModel):
 
 def build_app(config: ServeConfig, announce=None):
     """Load the session and the chat template, and return the application (what ``serve`` runs);
-    ``announce(line)`` gets the session's KV cache line once it is allocated."""
+    ``announce(line)`` gets the session's KV cache line as soon as it is allocated."""
     from dflash_trt.runtime.policy import SpeculationConfig
     from dflash_trt.runtime.session import Session
     from dflash_trt.serving.openai.app import ServedModel, create_app
@@ -65,15 +65,14 @@ def build_app(config: ServeConfig, announce=None):
     policy = SpeculationConfig(mode="static" if config.speculation == "off" else config.speculation)
     if config.engine is not None:
         session = Session.load(config.engine, config.backend, max_batch=config.max_batch,
-                               max_seq_len=config.max_seq_len, speculation=policy)
+                               max_seq_len=config.max_seq_len, speculation=policy, announce=announce)
         folders = [config.engine, config.engine / "tokenizer"]
     else:
         session = Session.from_checkpoints(config.target, config.draft, max_batch=config.max_batch,
-                                           max_seq_len=config.max_seq_len, dtype=config.dtype, speculation=policy)
+                                           max_seq_len=config.max_seq_len, dtype=config.dtype, speculation=policy,
+                                           announce=announce)
         target = session.pair.target_path
         folders = [target] if target.is_dir() else [target.parent]
-    if announce is not None and session.kv_cache is not None:
-        announce(session.kv_cache.line())
     template = ChatTemplate.for_checkpoint(folders, config.chat_template)
     pair = session.pair
     name = config.served_model_name or (config.engine.name if config.engine is not None else
