@@ -115,6 +115,7 @@ class AutoPlanner:
         self.credit_s = float("inf")
         self.credit_cap_s = float("inf")
         self._key: tuple[int, ...] = ()
+        self._keyed: list[RequestMemory] = []
         self._age = 0
         self._dirty = True
         self._cached: Plan | None = None
@@ -150,6 +151,9 @@ class AutoPlanner:
         if self._cached is None or self._dirty or key != self._key or self._age >= REFRESH_STEPS:
             self._cached = self._decide(requests)
             self._key, self._age, self._dirty = key, 0, False
+            # the key's requests stay referenced while it is: a new request cannot take a finished one's id and
+            # reuse its plan (which made a session's decisions depend on where the allocator put each request)
+            self._keyed = list(requests)
         self._age += 1
         plan = self._cached
         self.credit_s = min(self.credit_s + EXPLORE_BUDGET * plan.plain_step_s, self.credit_cap_s)

@@ -129,3 +129,22 @@ def test_requests_joining_a_batch_of_retired_ones_draft_again_once_the_batch_tur
                          policies=("plain", "static:3", "auto"))
     assert cell.ratio("static:3") > 1.2
     assert cell.ratio("auto") > 1.1, cell.results["auto"].draft_lens
+
+
+def test_a_finished_request_cannot_lend_its_id_and_its_plan_to_a_new_one():
+    """Plans are cached by the ids of the batch's requests; a request that finished and was collected could have
+    its id taken by the next one, which then got its plan (the simulator's runs differed between processes)."""
+    import gc
+    import weakref
+
+    from dflash_trt.runtime.planner import AutoPlanner, RequestMemory
+    from dflash_trt.runtime.policy import AcceptanceTracker
+
+    planner = AutoPlanner(simulate.CostModel(), AcceptanceTracker(256, 64))
+    planner.costs.record("verify", 1, 1, 1e-3)
+    first = RequestMemory(0, AcceptanceTracker(16, 1))
+    held = weakref.ref(first)
+    planner.plan([first])
+    del first
+    gc.collect()
+    assert held() is not None  # alive while its plan is cached, so no new request can have its id
