@@ -2,8 +2,8 @@
 
 What is simulated, and nothing else:
 
-- **Time.** A ``SimClock`` replaces ``time.perf_counter`` in ``runtime/scheduler.py`` and
-  ``runtime/calibration.py`` while a simulation runs (they read the clock as a module attribute; nothing sleeps).
+- **Time.** A ``SimClock`` is the clock the scheduler and calibration read (their ``clock`` argument; nothing
+  sleeps).
   Forwards advance it by their regime's cost (``bench/sim_regimes.py``) times seeded noise and load bursts; the
   host work of a step (sampling, bookkeeping) advances it when the scheduler crops each verified row's cache.
 - **The backend.** ``SimBackend`` serves ``target_batch``/``draft_batch`` with logits that make each verify
@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import random
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -35,7 +34,7 @@ from dflash_trt.bench.acceptance_traces import Workload
 from dflash_trt.bench.sim_regimes import REGIMES, Regime
 from dflash_trt.config import SamplingParams
 from dflash_trt.plugins.interface import DraftRow, TargetRow
-from dflash_trt.runtime import calibration, scheduler as scheduler_module
+from dflash_trt.runtime import calibration
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import RequestState
 from dflash_trt.runtime.policy import SpeculationConfig
@@ -62,22 +61,6 @@ class SimClock:
 
     def perf_counter(self) -> float:
         return self.now
-
-
-_PATCH_LOCK = threading.Lock()
-
-
-@contextmanager
-def simulated_time(clock: SimClock):
-    """Point ``runtime/scheduler.py`` and ``runtime/calibration.py`` at ``clock`` (their ``time`` module attribute)
-    for the duration; one simulation per process at a time."""
-    with _PATCH_LOCK:
-        saved = scheduler_module.time, calibration.time
-        scheduler_module.time = calibration.time = SimpleNamespace(perf_counter=clock.perf_counter)
-        try:
-            yield clock
-        finally:
-            scheduler_module.time, calibration.time = saved
 
 
 class Load:
@@ -276,49 +259,48 @@ def run(regime: Regime, workload: Workload, concurrency: int, policy: str, *, se
     backend = SimBackend(regime, clock, load, concurrency, specs)
     costs = CostModel()
     speculation = _speculation(policy)
-    with simulated_time(clock):
-        if policy == "auto":
-            longest = max(len(workload.positions(i)) for i in range(len(workload.requests)))
-            max_seq_len = (regime.context or max(workload.prompt_lengths)) + longest + 2
-            calibration.calibrate(backend, costs, True, workload.block_len, max_seq_len)
-        sched = (_Oracle if policy == "oracle" else Scheduler)(backend, speculation, costs)
-        result = RunResult(policy, 0, 0.0, 0, costs=costs)
+    if policy == "auto":
+        longest = max(len(workload.positions(i)) for i in range(len(workload.requests)))
+        max_seq_len = (regime.context or max(workload.prompt_lengths)) + longest + 2
+        calibration.calibrate(backend, costs, True, workload.block_len, max_seq_len, clock.perf_counter)
+    sched = (_Oracle if policy == "oracle" else Scheduler)(backend, speculation, costs, clock.perf_counter)
+    result = RunResult(policy, 0, 0.0, 0, costs=costs)
 
-        def submit(request_id: int) -> None:
-            prompt_len, accept = specs[request_id] = spec(request_id)
+    def submit(request_id: int) -> None:
+        prompt_len, accept = specs[request_id] = spec(request_id)
 
-            def make_state(slot: int) -> RequestState:
-                prompt = [-request_id - 1] + [0] * (prompt_len - 1)
-                return RequestState(slot, prompt, SamplingParams(max_new_tokens=len(accept) + 1), workload.block_len,
-                                    frozenset({STOP_ID}), MASK_ID, torch.Generator())
+        def make_state(slot: int) -> RequestState:
+            prompt = [-request_id - 1] + [0] * (prompt_len - 1)
+            return RequestState(slot, prompt, SamplingParams(max_new_tokens=len(accept) + 1), workload.block_len,
+                                frozenset({STOP_ID}), MASK_ID, torch.Generator())
 
-            def sink(cycle) -> None:
-                if isinstance(cycle, BaseException):
-                    raise cycle
-                if cycle is not None and not cycle.prefill:
-                    result.tokens += len(cycle.tokens)
-                    result.draft_lens[cycle.drafted] = result.draft_lens.get(cycle.drafted, 0) + 1
-                if cycle is not None and cycle.finished:
-                    specs.pop(request_id, None)
+        def sink(cycle) -> None:
+            if isinstance(cycle, BaseException):
+                raise cycle
+            if cycle is not None and not cycle.prefill:
+                result.tokens += len(cycle.tokens)
+                result.draft_lens[cycle.drafted] = result.draft_lens.get(cycle.drafted, 0) + 1
+            if cycle is not None and cycle.finished:
+                specs.pop(request_id, None)
 
-            sched.queue.append((make_state, sink, threading.Event()))
+        sched.queue.append((make_state, sink, threading.Event()))
 
-        submitted = 0
-        began = load.origin = clock.now  # serving meets the same bursts under every policy, after calibration
-        while True:
-            while submitted < count and len(sched.queue) + len(sched.active) < concurrency:
-                submit(submitted)  # closed loop: a client sends its next request when its last one ends
-                submitted += 1
-            if not (sched.queue or sched.active):
-                break
-            sched._admit()  # the worker loop's body (Scheduler._serve), without its thread
-            if sched.active:
-                backend.new_step()
-                sched._step()
-                result.steps += 1
-            if limit_s is not None and clock.now - began >= limit_s:
-                break
-        result.seconds = clock.now - began
+    submitted = 0
+    began = load.origin = clock.now  # serving meets the same bursts under every policy, after calibration
+    while True:
+        while submitted < count and len(sched.queue) + len(sched.active) < concurrency:
+            submit(submitted)  # closed loop: a client sends its next request when its last one ends
+            submitted += 1
+        if not (sched.queue or sched.active):
+            break
+        sched._admit()  # the worker loop's body (Scheduler._serve), without its thread
+        if sched.active:
+            backend.new_step()
+            sched._step()
+            result.steps += 1
+        if limit_s is not None and clock.now - began >= limit_s:
+            break
+    result.seconds = clock.now - began
     return result
 
 
@@ -378,8 +360,8 @@ def failures(cells: list[Cell]) -> list[str]:
 
 def render(cells: list[Cell], *, seed: int, requests_per_slot: int, command: str) -> str:
     lines = [f"Regenerate: `{command}` (seed {seed}, {requests_per_slot} requests per slot).", "",
-             "| regime | c | workload (τ) | best static ÷ plain | auto ÷ plain | oracle ÷ plain "
-             "| auto ÷ best fixed |",
+             ("| regime | c | workload (τ) | best static ÷ plain | auto ÷ plain | oracle ÷ plain "
+              "| auto ÷ best fixed |"),
              "|---|---|---|---|---|---|---|"]
     for c in cells:
         auto = c.ratio("auto")
@@ -389,7 +371,7 @@ def render(cells: list[Cell], *, seed: int, requests_per_slot: int, command: str
                      f"(k={c.best_static.removeprefix('static:')}) | {auto:.2f}× | {c.ratio('oracle'):.2f}× | "
                      f"{auto / c.best_fixed:.2f}{mark} |")
     failed = failures(cells)
-    lines += ["", f"Cells below the bar ({BAR}× plain and {BAR}× the best fixed choice): "
-                  f"{len(failed)} of {len(cells)}."]
+    lines += ["", (f"Cells below the bar ({BAR}× plain and {BAR}× the best fixed choice): "
+                   f"{len(failed)} of {len(cells)}.")]
     lines += [f"- {f}" for f in failed]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -35,21 +37,22 @@ def _grid(limit: int) -> list[int]:
     return values + [limit]
 
 
-def _timed(run, restore) -> float:
+def _timed(run, restore, clock: Callable[[], float]) -> float:
     """Median of ``_REPEATS`` timed calls after a warm-up, ``restore()`` between calls (untimed). The median,
     like the online estimate: a best-of would be biased low against the online medians it is compared to."""
     run()  # warm-up
     restore()
     times = []
     for _ in range(_REPEATS):
-        began = time.perf_counter()
+        began = clock()
         run()
-        times.append(time.perf_counter() - began)
+        times.append(clock() - began)
         restore()
     return statistics.median(times)
 
 
-def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: int, max_seq_len: int) -> CostModel:
+def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: int, max_seq_len: int,
+              clock: Callable[[], float] = time.perf_counter) -> CostModel:
     """Fill ``costs`` with the median time of verify and draft forwards (batch x width grid) at a context of
     ``CONTEXT`` scratch positions (bounded so the widest block still fits ``max_seq_len``)."""
     config = backend.draft_config
@@ -73,11 +76,11 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
     for batch in _grid(backend.max_batch):
         for width in _grid(block_len):
             rows = [TargetRow(slot, [0] * width, context) for slot in range(batch)]
-            costs.calibrate("verify", batch, width, _timed(lambda: backend.target_batch(rows, has_drafter), restore))
+            costs.calibrate("verify", batch, width, _timed(partial(backend.target_batch, rows, has_drafter), restore, clock))
             if has_drafter and width > 1:
                 drafts = [DraftRow(slot, [0] * width, torch.zeros(taps, taps_width, dtype=dtype, device=device), context)
                           for slot in range(batch)]
-                costs.calibrate("draft", batch, width, _timed(lambda: backend.draft_batch(drafts), restore))
+                costs.calibrate("draft", batch, width, _timed(partial(backend.draft_batch, drafts), restore, clock))
     for slot in slots:
         backend.reset_slot(slot)
     return costs

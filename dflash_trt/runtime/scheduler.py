@@ -16,7 +16,7 @@ import heapq
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from dflash_trt.errors import RequestError
 from dflash_trt.plugins.interface import Backend, DraftRow
@@ -37,8 +37,10 @@ class _Active:
 class Scheduler:
     """Owns the backend's cache slots; ``submit`` is thread-safe."""
 
-    def __init__(self, backend: Backend, speculation: SpeculationConfig, costs: CostModel) -> None:
+    def __init__(self, backend: Backend, speculation: SpeculationConfig, costs: CostModel,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.backend, self.speculation, self.costs = backend, speculation, costs
+        self.clock = clock  # seconds; the policy simulator (bench/simulate.py) passes its simulated clock
         # lowest free slot first, and active requests kept in slot order: a full batch then reads the KV cache
         # as one view (slots 0..B-1), not a gather
         self.free_slots = list(range(backend.max_batch))  # a min-heap
@@ -149,26 +151,26 @@ class Scheduler:
         if not self.active:
             return
         batch = list(self.active)
-        step_began = time.perf_counter()
+        step_began = self.clock()
         forwards = 0.0
         rows = self._each(zip(batch, self.draft_lengths()), lambda entry, length: entry.state.draft_row(length))
         drafting = [(entry, row) for entry, row in rows if row is not None]
         if drafting:
-            began = time.perf_counter()
+            began = self.clock()
             outputs = self._forward(self.backend.draft_batch, drafting)
-            forwards += time.perf_counter() - began
+            forwards += self.clock() - began
             self.costs.record("draft", len(drafting), _draft_width([row for _, row in drafting]),
-                              time.perf_counter() - began)
+                              self.clock() - began)
             self._each(outputs, lambda entry, draft_logits: entry.state.take_drafts(draft_logits))
         verify = self._each(((entry, None) for entry in batch if entry in self.active),
                             lambda entry, _: entry.state.verify_row())
         if not verify:
             return
-        began = time.perf_counter()
+        began = self.clock()
         with_taps = any(entry.state.uses_drafter for entry, _ in verify)
         results = self._forward(lambda rows: self.backend.target_batch(rows, with_taps), verify)
-        forwards += time.perf_counter() - began
-        self.costs.record("verify", len(verify), max(len(r.tokens) for _, r in verify), time.perf_counter() - began)
+        forwards += self.clock() - began
+        self.costs.record("verify", len(verify), max(len(r.tokens) for _, r in verify), self.clock() - began)
         cycles = self._each(results, lambda entry, result: entry.state.finish_verify(*result))
         for entry, cycle in cycles:
             # crop to start: the bonus is not in the cache; it is verified as slot 0 of the next block
@@ -179,7 +181,7 @@ class Scheduler:
             entry.sink(cycle)
             if entry.state.finished:
                 self._release(entry)
-        took = time.perf_counter() - step_began
+        took = self.clock() - step_began
         self.costs.record_overhead(bool(drafting), len(verify), took - forwards)
         if self.speculation.mode == "auto":
             self.planner.step_took(took)
