@@ -161,7 +161,7 @@ def measure(step: str, argv: list[str], cap_gb: float | None, timeout_s: float,
     cap = MemoryCap(cap_gb, f"scale_{os.getpid()}_{step}")
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"scale_{os.getpid()}_{step}.log"
     start = time.perf_counter()
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"loadavg_start": load_average()}
     timed_out = False
     with log.open("w+b") as out:
         child = subprocess.Popen(cap.wrap(argv), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
@@ -188,6 +188,7 @@ def measure(step: str, argv: list[str], cap_gb: float | None, timeout_s: float,
         text = out.read().decode("utf-8", errors="replace")
     log.unlink(missing_ok=True)
     code = os.waitstatus_to_exitcode(status)
+    extra["loadavg_end"] = load_average()
     peak = cap.peak_bytes()
     killed_at_cap = code == -signal.SIGKILL and not timed_out and cap.oom_killed()
     cap.close()
@@ -195,6 +196,14 @@ def measure(step: str, argv: list[str], cap_gb: float | None, timeout_s: float,
                       usage.ru_maxrss, cap_gb, cap.kind, peak, killed_at_cap, timed_out, text[-1500:], extra)
     result.extra |= parse_output(step, text)
     return result
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (other work on a shared machine slows every figure)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def parse_output(step: str, text: str) -> dict[str, Any]:
@@ -437,6 +446,8 @@ def step_row(entry: dict[str, Any]) -> str:
         notes.append(f"decode {extra['decode_tokens_per_s']:.2f} tok/s")
     if extra.get("kv_cache_line"):
         notes.append(f"printed: {extra['kv_cache_line']}")
+    if extra.get("loadavg_start") is not None and extra.get("loadavg_end") is not None:
+        notes.append(f"load {extra['loadavg_start']:.1f}→{extra['loadavg_end']:.1f}")
     if entry.get("killed_at_cap") and entry.get("cgroup_peak_bytes"):
         notes.append(f"cgroup peak {entry['cgroup_peak_bytes'] / 1e9:.1f} GB incl. page cache")
     if not entry["exit_code"] == 0 and not entry.get("killed_at_cap"):
@@ -504,6 +515,9 @@ def render(results: dict[str, Any]) -> str:
                      f"second over {bw.get('repeats', 5)} copies of {bw['size_mib']:.0f} MiB, measured at the start of "
                      "the last invocation (other work shares this machine, so the spread is wide); the decoding "
                      "limit below uses the higher best figure")
+    lines.append("- the machine is shared: each row's notes give the 1-minute load average at the command's start and "
+                 f"end (the machine has {cond.get('cores', '?')} cores; a load above that means the command waited "
+                 "for a CPU, and its time is inflated)")
     lines += [f"- commands: `{results.get('command', '?')}` (the last invocation; each row's date and commit are "
               "in the shape's heading)", ""]
     for shape, entries in results.get("shapes", {}).items():
