@@ -19,6 +19,13 @@ induction over positions, the K/V a token leaves in the cache and its logits are
 computed them. This asks only that a kernel, given the same call, compute the same thing (no CPU kernel reads
 the clock or the other rows); it does not depend on which algorithm a CPU's kernels choose.
 
+A prompt (a forward from position 0) is the exception: it runs as one forward of torch's calls
+(``prompt_forward``), with its last token's logits from a 1-row LM head call. A frame per 16 prompt tokens would
+read every weight once per frame; one forward reads them once. This keeps losslessness because a prompt is only
+ever computed as a prompt, by the same call in every session: the runtime prefills each request's prompt in one
+forward (alone, or beside other requests, which ``forward_in_frames`` runs one by one), so plain decoding and
+DFlash start from the same K/V and first token, and every later token is in frames.
+
 The cost is in the padding: a 1-token step runs each GEMM over ``FRAME_ROWS`` rows. On a CPU, decoding is bound by
 reading the weights, and a 16-row bfloat16 GEMM reads them once, as a 1-row GEMV does (docs/algorithm.md §3.7
 gives the measured A/B). A verify of up to ``FRAME_ROWS`` consecutive tokens is one frame (positions ``p .. p+15``
@@ -111,6 +118,43 @@ def frame_forward(model: TargetModel, cache: StaticKVCache, slot: int, tokens: T
     return logits, (taps[0, row_index] if taps is not None else None)
 
 
+class PromptKV:
+    """The K/V store of a prompt forward (one request, positions ``0 .. L-1``): writes the new K/V into the request's
+    cache slot and attends over exactly those tensors, whatever slot the request is in. Shapes: keys/values
+    ``[1, nkv, L, d]`` -> the same tensors."""
+
+    def __init__(self, cache: StaticKVCache, slot: int) -> None:
+        self.cache, self.slot = cache, slot
+
+    def write(self, layer: int, start, keys: Tensor, values: Tensor, positions: Tensor | None = None
+              ) -> tuple[Tensor, Tensor]:
+        self.cache.keys[layer, self.slot, :, :keys.shape[2]] = keys[0]
+        self.cache.values[layer, self.slot, :, :values.shape[2]] = values[0]
+        return keys, values
+
+
+def prompt_forward(model: TargetModel, cache: StaticKVCache, slot: int, tokens: Tensor, tap_ids: tuple[int, ...],
+                   all_logits: bool) -> tuple[Tensor, Tensor | None]:
+    """A request's prompt (positions ``0 .. L-1``) in one forward of torch's calls, and its last token's logits from
+    one 1-row LM head call (so ``last_only`` cannot change them). Every session computes a prompt with this same call
+    (a prompt is prefilled in one forward, alone or beside other requests), so plain decoding and DFlash start from
+    the same K/V and first token. Shapes: tokens ``[L]`` -> logits ``[L, V]`` (``[1, V]`` unless ``all_logits``),
+    taps ``[L, L*H]`` or None."""
+    length = tokens.shape[0]
+    positions = torch.arange(length, device=tokens.device).view(1, length)
+    mask = None if length == 1 else torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril().view(
+        1, 1, length, length)
+    hidden, taps = model.hidden_states(tokens.view(1, length), positions, PromptKV(cache, slot), 0, mask, None,
+                                       tap_ids)
+    last = model.lm_head(model.norm(hidden[:, -1:]))[0]  # [1, V]
+    if all_logits:
+        logits = model.lm_head(model.norm(hidden))[0]
+        logits[-1:] = last
+    else:
+        logits = last
+    return logits, (taps[0] if taps is not None else None)
+
+
 def forward_in_frames(model: TargetModel, tokens: Tensor, start: int | TargetLayout, cache: StaticKVCache,
                       tap_ids: tuple[int, ...], last_only: bool) -> tuple[Tensor, Tensor | None]:
     """``TargetModel.forward``'s network in frames, request by request, ``FRAME_ROWS`` consecutive tokens at a time
@@ -130,6 +174,13 @@ def forward_in_frames(model: TargetModel, tokens: Tensor, start: int | TargetLay
     taps = (torch.zeros(batch, width, len(tap_ids) * cfg.hidden_size, dtype=dtype, device=tokens.device)
             if tap_ids else None)
     for index, (slot, begin, length) in enumerate(requests):
+        if begin == 0:  # a prompt: one forward (prompt_forward), not a frame per 16 tokens
+            prompt_logits, prompt_taps = prompt_forward(model, cache, slot, tokens[index, :length], tap_ids,
+                                                        not last_only)
+            logits[index, :prompt_logits.shape[0]] = prompt_logits
+            if taps is not None:
+                taps[index, :length] = prompt_taps
+            continue
         for offset in range(0, length, FRAME_ROWS):
             count = min(FRAME_ROWS, length - offset)
             last_frame = offset + count == length

@@ -83,14 +83,13 @@ def test_a_verify_forward_is_the_bits_of_1_token_steps(zoo, spec, dtype):
 
 def test_a_request_batched_with_others_is_the_bits_of_the_request_alone(zoo):
     """The batched forward (a ``TargetLayout``: requests in any slots, at different positions, padded): each row
-    is the bits of the same request's forward alone, and ``last_only`` gives the last row's logits."""
+    is the bits of the same request's forward alone."""
     model, _ = load_target(zoo.target(QWEN3), torch.bfloat16)
     first, second = prompts(2, 20, seed=2)
     alone, batched = model.new_cache(1, 64), model.new_cache(3, 64)
     with torch.inference_mode():
         model(torch.tensor([first[:5]]), 0, alone)
         expected, _ = model(torch.tensor([first[5:20]]), 5, alone)
-        tail, _ = model(torch.tensor([first[:20]]), 0, model.new_cache(1, 64), last_only=True)
         layout = TargetLayout((2,), (0,), (5,))
         model(torch.tensor([first[:5]]), layout, batched)
         model(torch.tensor([second[:9]]), TargetLayout((0,), (0,), (9,)), batched)
@@ -98,7 +97,24 @@ def test_a_request_batched_with_others_is_the_bits_of_the_request_alone(zoo):
         tokens[0, :3], tokens[1] = torch.tensor(second[9:12]), torch.tensor(first[5:20])
         logits, _ = model(tokens, TargetLayout((0, 2), (9, 5), (3, 15)), batched)
     assert torch.equal(bits(logits[1]), bits(expected[0]))
-    assert torch.equal(bits(tail[0, 0]), bits(expected[0, -1]))
+
+
+def test_a_prompt_gives_the_same_bits_alone_batched_and_with_or_without_last_only(zoo):
+    """A prompt (a forward from position 0) is one forward of torch's calls (``frames.prompt_forward``): its last
+    logits, taps and K/V do not depend on ``last_only``, on the cache slot, or on the requests beside it."""
+    model, _ = load_target(zoo.target(QWEN3), torch.bfloat16)
+    first, second = prompts(2, 20, seed=5)
+    last_only, every_row, batched = model.new_cache(1, 64), model.new_cache(1, 64), model.new_cache(3, 64)
+    with torch.inference_mode():
+        tail, tail_taps = model(torch.tensor([first]), 0, last_only, (1,), last_only=True)
+        rows, rows_taps = model(torch.tensor([first]), 0, every_row, (1,))
+        tokens = torch.zeros(2, 20, dtype=torch.long)
+        tokens[0, :7], tokens[1] = torch.tensor(second[:7]), torch.tensor(first)
+        together, together_taps = model(tokens, TargetLayout((0, 2), (0, 0), (7, 20)), batched, (1,))
+    assert torch.equal(bits(tail[0, 0]), bits(rows[0, -1]))
+    assert torch.equal(bits(tail[0, 0]), bits(together[1, 19]))
+    assert torch.equal(bits(tail_taps), bits(rows_taps)) and torch.equal(bits(rows_taps[0]), bits(together_taps[1]))
+    assert torch.equal(bits(last_only.keys[:, 0, :, :20]), bits(batched.keys[:, 2, :, :20]))
 
 
 # ---------------------------------------------------------------- end to end: greedy DFlash == plain decoding
