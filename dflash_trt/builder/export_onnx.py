@@ -496,8 +496,10 @@ def _bind_weights(graph, weights: Mapping[str, StoredTensor], folder: Path) -> N
         graph.register_initializer(held)
         floating = held
         for node, index in uses:
-            if node.op_type == "Gather" and index == 0 and stored.dtype != torch.float32:
-                node.replace_input_with(0, held)  # an embedding: gather the stored rows, then cast them
+            if node.op_type in _MOVES and index == 0 and stored.dtype != torch.float32 and not (
+                    len(stored.shape) == 2 and 4 * math.prod(stored.shape) > fold_limit and _is_linear(node)):
+                # an embedding's Gather, a linear's Transpose: move the stored values, then cast the result
+                node.replace_input_with(0, held)
                 rows = node.outputs[0]
                 rows.type = ir.TensorType(held.dtype)
                 cast = _cast(rows, f"{rows.name}.float")
@@ -514,6 +516,10 @@ def _bind_weights(graph, weights: Mapping[str, StoredTensor], folder: Path) -> N
                 node.replace_input_with(index, floating)
     if head:
         graph.insert_before(next(iter(graph)), head)
+
+
+_MOVES = ("Gather", "Transpose")
+"""Ops that only move a weight's values: they run on the stored dtype and their output is cast to float32."""
 
 
 def _external(stored: StoredTensor, name: str, folder: Path, rows: tuple[int, int] | None = None):
