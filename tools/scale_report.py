@@ -279,8 +279,20 @@ def step_command(step: str, target: Path, draft: Path, work: Path, port: int) ->
     return commands[step]
 
 
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+def engine_sizes(folder: Path) -> dict[str, int]:
+    """Bytes an engine folder wrote and bytes it links from outside (a symbolic link, or a hard link whose other
+    names are outside the folder, e.g. the checkpoint's shards); each file counted once."""
+    inodes: dict[tuple[int, int], list] = {}  # (dev, ino) -> [size, names inside, link count, via a symlink]
+    for path in folder.rglob("*") if folder.is_dir() else ():
+        if not path.is_file():
+            continue
+        info = path.stat()
+        entry = inodes.setdefault((info.st_dev, info.st_ino), [info.st_size, 0, info.st_nlink, False])
+        entry[1] += 0 if path.is_symlink() else 1
+        entry[3] |= path.is_symlink() and not path.resolve().is_relative_to(folder.resolve())
+    written = sum(size for size, inside, links, outside in inodes.values() if inside >= links and not outside)
+    total = sum(size for size, _, _, _ in inodes.values())
+    return {"engine_bytes": written, "engine_linked_bytes": total - written}
 
 
 def bench_summary(report_file: Path) -> dict[str, Any]:
@@ -338,7 +350,8 @@ def measure_shape(shape: str, steps: list[str], args: argparse.Namespace) -> Ite
         result = measure(step, argv, args.cap_gb, args.timeout_s,
                          ready=health_probe(port) if step == "serve" else None)
         if step.startswith("build") and result.ok:
-            result.extra["engine_bytes"] = folder_bytes(Path(argv[argv.index("--out") + 1]))
+            result.extra |= engine_sizes(Path(argv[argv.index("--out") + 1]))
+            result.extra["engine_dir"] = argv[argv.index("--out") + 1]
         if step == "bench" and (work / "bench" / "report.json").is_file() and result.ok:
             result.extra |= bench_summary(work / "bench" / "report.json")
         entry = asdict(result) | sizes | {"shape": shape, "date": now(), "commit": git_commit(),
@@ -346,6 +359,19 @@ def measure_shape(shape: str, steps: list[str], args: argparse.Namespace) -> Ite
         print(f"[{shape}] {step}: {result.outcome()}, {result.wall_s:.1f} s, peak RSS "
               f"{result.peak_rss_kb / 1e6:.2f} GB", flush=True)
         yield step, entry
+
+
+def refresh_engine_sizes(results: dict[str, Any]) -> None:
+    """Re-read the sizes of engine folders still on disk (the folder a row's build wrote; rows measured before
+    the written/linked split get it)."""
+    for entries in results.get("shapes", {}).values():
+        for entry in entries.values():
+            extra = entry.get("extra", {})
+            argv = entry.get("argv", [])
+            if entry.get("step", "").startswith("build") and entry.get("exit_code") == 0 and "--out" in argv:
+                folder = Path(argv[argv.index("--out") + 1])
+                if folder.is_dir():
+                    extra |= engine_sizes(folder)
 
 
 def display_argv(argv: list[str]) -> list[str]:
@@ -441,7 +467,9 @@ def step_row(entry: dict[str, Any]) -> str:
                                                                               and "ready_s" not in extra):
         notes.append("never answered /health")
     if "engine_bytes" in extra:
-        notes.append(f"engine {extra['engine_bytes'] / 1e9:.2f} GB on disk")
+        linked = extra.get("engine_linked_bytes")
+        notes.append(f"engine: {extra['engine_bytes'] / 1e9:.2f} GB written"
+                     + (f" + {linked / 1e9:.2f} GB linked" if linked else ""))
     if extra.get("decode_tokens_per_s"):
         notes.append(f"decode {extra['decode_tokens_per_s']:.2f} tok/s")
     if extra.get("kv_cache_line"):
@@ -571,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only names {unknown}; expected some of {list(STEPS)}")
     results: dict[str, Any] = json.loads(args.results.read_text()) if args.results.is_file() else {}
+    refresh_engine_sizes(results)
     if not args.render_only:
         results["machine"] = machine()
         results["bandwidth"] = json.loads(subprocess.run([sys.executable, __file__, "--bandwidth-only"], check=True,

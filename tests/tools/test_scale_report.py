@@ -113,3 +113,15 @@ def test_only_rejects_unknown_step(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sr.main(["--only", "inspect,fly", "--results", str(tmp_path / "r.json"), "--out", str(tmp_path / "s.md")])
     assert "fly" in capsys.readouterr().err
+
+
+def test_engine_sizes_split_written_and_linked(tmp_path):
+    checkpoint, engine = tmp_path / "ckpt", tmp_path / "engine"
+    checkpoint.mkdir()
+    (engine / "a").mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"w" * 1000)
+    (engine / "a" / "model.safetensors").hardlink_to(checkpoint / "model.safetensors")  # links the checkpoint
+    (engine / "draft.safetensors").symlink_to(checkpoint / "model.safetensors")  # the same file again
+    (engine / "quant.safetensors").write_bytes(b"q" * 300)
+    (engine / "a" / "quant.safetensors").hardlink_to(engine / "quant.safetensors")  # written once, two names
+    assert sr.engine_sizes(engine) == {"engine_bytes": 300, "engine_linked_bytes": 1000}
