@@ -111,7 +111,7 @@ def test_render_tables():
 
 def test_only_rejects_unknown_step(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        sr.main(["--only", "inspect,fly", "--results", str(tmp_path / "r.json"), "--out", str(tmp_path / "s.md")])
+        sr.main(["--only", "inspect,fly", "--results", str(tmp_path / "r.json"), "--out", str(tmp_path / "scaling.md")])
     assert "fly" in capsys.readouterr().err
 
 
