@@ -36,6 +36,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import socket
 import struct
@@ -350,8 +351,10 @@ def measure_shape(shape: str, steps: list[str], args: argparse.Namespace) -> Ite
         result = measure(step, argv, args.cap_gb, args.timeout_s,
                          ready=health_probe(port) if step == "serve" else None)
         if step.startswith("build") and result.ok:
-            result.extra |= engine_sizes(Path(argv[argv.index("--out") + 1]))
-            result.extra["engine_dir"] = argv[argv.index("--out") + 1]
+            engine = Path(argv[argv.index("--out") + 1])
+            result.extra |= engine_sizes(engine)
+            if not args.keep_engines:  # engines of big shapes fill a disk fast; the sizes are recorded
+                shutil.rmtree(engine, ignore_errors=True)
         if step == "bench" and (work / "bench" / "report.json").is_file() and result.ok:
             result.extra |= bench_summary(work / "bench" / "report.json")
         entry = asdict(result) | sizes | {"shape": shape, "date": now(), "commit": git_commit(),
@@ -588,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-layers", type=int, default=5, help="drafter depth to pair with each target")
     parser.add_argument("--ckpt-root", type=Path, default=Path("/tmp/ckpt"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/scale-report"), help="engines and bench reports")
+    parser.add_argument("--keep-engines", action="store_true", help="keep each built engine folder (default: "
+                        "record its size, then delete it)")
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "scaling.json")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "scaling.md")
     parser.add_argument("--render-only", action="store_true", help="rewrite --out from --results, measure nothing")
