@@ -49,7 +49,7 @@ def _numbers(text: str, kind, flag: str) -> tuple:
               help="Context of each session slot (prompt + output; the KV cache is sized by it and printed). Default: "
                    "what the benchmark's requests need, the longest prompt run plus --max-new-tokens (at most the "
                    "model's positions), so the caches hold no context that no request uses.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="float32",
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="With --target: weights, compute and KV cache dtype of our runtime and of the "
               "transformers peer, which runs on the same tensors (auto: the checkpoint's).")
 @click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")
@@ -78,6 +78,9 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         _bench_endpoints(endpoints, datasets, prompts_file, num_prompts, concurrency, request_rate, temperature,
                          max_new_tokens, repeats, seed, goodput, api_key, ignore_eos, out)
         return
+    if engine is not None and dtype != "auto":
+        raise RequestError(f"--dtype is {dtype} with --engine; an engine runs in the dtype it was built in. Fix: "
+                           "drop --dtype, or rebuild the engine from a checkpoint in that dtype.")
     from rich.progress import Progress
 
     from dflash_trt.bench.harness import BenchConfig, load_prompt_sets, run_benchmark

@@ -32,7 +32,7 @@ class ServeConfig(BaseModel):
     max_seq_len: PositiveInt | None = Field(default=None, description="Longest prompt + output; sizes each slot's KV "
                                             "cache (None = min(the model's positions, 4096)).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="float32", description="Weights, compute and KV cache dtype of checkpoints (auto: the checkpoint's).")
+        default="auto", description="Weights, compute and KV cache dtype of checkpoints (auto: the checkpoint's).")
     max_queue: int = Field(default=64, ge=0, description="Requests waiting beyond max_batch before 429s.")
     speculation: Literal["auto", "static", "off"] = Field(
         default="auto", description="auto: the cost-model policy; static: always draft block_len-1; off: plain "
@@ -49,6 +49,9 @@ class ServeConfig(BaseModel):
         if self.engine is not None and (self.target is not None or self.draft is not None):
             raise RequestError("--engine already holds the target and drafter; expected no --target/--draft with "
                                "it. Fix: drop --target/--draft.")
+        if self.engine is not None and self.dtype != "auto":
+            raise RequestError(f"--dtype is {self.dtype} with --engine; an engine runs in the dtype it was built in. "
+                               "Fix: drop --dtype, or rebuild the engine from a checkpoint in that dtype.")
         if self.api_key is not None and not self.api_key:
             raise RequestError("--api-key is empty; expected a non-empty key. Fix: pass --api-key KEY or drop it.")
         return self
