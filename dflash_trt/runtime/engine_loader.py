@@ -13,15 +13,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from dflash_trt.builder.load import load_draft
-from dflash_trt.model.pair import ModelPair
+from dflash_trt.builder.load import DTYPES, load_draft
 from dflash_trt.builder.manifest import Manifest, artefact_file, read_manifest, rebuild_command, verify_artefacts
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
+from dflash_trt.model.pair import ModelPair
 from dflash_trt.model.target import TargetModel
 from dflash_trt.plugins.registry import available_backends, backend_spec
 from dflash_trt.plugins.schema import SCHEMAS
+
 
 @dataclass(frozen=True)
 class LoadedEngine:
@@ -101,12 +100,13 @@ def _load_target(folder: Path, manifest: Manifest) -> TargetModel:
 
     artefact = manifest.artefact("target_weights")
     if artefact is None:
-        raise EngineFormatError(f"{folder}: manifest lists no `target_weights` artefact; expected torch/target."
-                                f"safetensors. Fix: rebuild with "
+        raise EngineFormatError(f"{folder}: manifest lists no `target_weights` artefact; expected the target's "
+                                f"weights (onnx/ or torch/target.safetensors). Fix: rebuild with "
                                 f"`{rebuild_command(manifest.build.command, folder)}`.")
     path = artefact_file(folder, artefact.path, manifest.build.command)
-    # streamed: headers checked against the key table, then one tensor at a time (no random init, no second copy)
-    return stream_target(manifest.target_config, read_headers([path]), torch.float32, str(path))
+    # streamed: headers checked against the key table, then one tensor at a time (no random init, no second copy),
+    # in the dtype the weights are stored in (a bfloat16 engine's torch target runs in frames, docs/algorithm.md §3.7)
+    return stream_target(manifest.target_config, read_headers([path]), DTYPES[manifest.build.dtype], str(path))
 
 
 def _load_tokenizer(folder: Path, manifest: Manifest):
@@ -120,7 +120,8 @@ def _load_tokenizer(folder: Path, manifest: Manifest):
 
 
 def load_engine(folder: str | Path, backend: str = "auto") -> LoadedEngine:
-    """Verify ``folder`` and rebuild its pair (float32) for ``backend`` (``auto`` = fastest runnable here)."""
+    """Verify ``folder`` and rebuild its pair (in the dtype its weights are stored in) for ``backend`` (``auto`` =
+    fastest runnable here)."""
     if not isinstance(folder, (str, os.PathLike)):
         raise EngineFormatError(f"engine folder is {folder!r}; expected a path (str or Path). Fix: pass the folder "
                                 "given as --out to `dflash-trt build`.")
@@ -134,7 +135,7 @@ def load_engine(folder: str | Path, backend: str = "auto") -> LoadedEngine:
     draft_artefact = manifest.artefact("draft_weights")
     if manifest.draft_config is not None and draft_artefact is not None:
         draft_dir = artefact_file(folder, draft_artefact.path, manifest.build.command).parent
-        draft = load_draft(draft_dir, torch.float32)
+        draft = load_draft(draft_dir, DTYPES[manifest.build.dtype])
     # draft_path names the drafter's own folder (config.json + safetensors, z-lab layout) so tools that load a
     # drafter by folder, e.g. the reference implementation beside `bench --engine`, find it
     pair = ModelPair(target, draft, _load_tokenizer(folder, manifest), folder, draft_dir if draft else None)

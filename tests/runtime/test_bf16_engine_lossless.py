@@ -47,3 +47,22 @@ def test_a_bf16_engine_is_lossless_against_its_own_plain_decoding_and_computes_i
         for block_len in (3, 16):
             assert engine.generate(prompt, SamplingParams(max_new_tokens=40, block_len=block_len)).token_ids == plain
     assert len(seen) >= 12, "the target's greedy output must vary for the test to mean anything"
+
+
+def test_a_bf16_engine_on_the_torch_backend_runs_in_bf16_frames_and_is_lossless(bf16_pair):
+    """The engine's own weights load in the dtype they are stored in (no float32 copy of a bf16 engine), so its torch
+    backend computes as a bf16 checkpoint does: in frames, greedy DFlash == plain decoding."""
+    from dflash_trt.runtime.engine_loader import load_engine
+
+    _, _, engine_dir = bf16_pair
+    loaded = load_engine(engine_dir, "torch")
+    assert loaded.pair.target.embed_tokens.weight.dtype == torch.bfloat16
+    assert loaded.pair.draft is not None and next(loaded.pair.draft.parameters()).dtype == torch.bfloat16
+    prompts = torch.randint(0, PROMPT_VOCAB, (3, 6), generator=torch.Generator().manual_seed(4)).tolist()
+    seen: set[int] = set()
+    with Session.load(engine_dir, backend="torch") as session:
+        for prompt in prompts:
+            plain = session.generate(prompt, SamplingParams(max_new_tokens=32, block_len=1)).token_ids
+            seen.update(plain)
+            assert session.generate(prompt, SamplingParams(max_new_tokens=32, block_len=16)).token_ids == plain
+    assert len(seen) >= 10, "the target's greedy output must vary for the test to mean anything"
