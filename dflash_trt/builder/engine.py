@@ -37,6 +37,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -46,12 +47,12 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 import dflash_trt
 from dflash_trt.builder.bundle_trtllm import TrtLlmBuildOptions
 from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
-from dflash_trt.model.pair import ModelPair
 from dflash_trt.builder.manifest import (
-    FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, Manifest, QuantName,
-    Quantization, SourceRecord, TokenizerRecord, sha256_file, tool_versions, write_manifest)
+    FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, Manifest, Quantization, QuantName,
+    SourceRecord, TokenizerRecord, sha256_file, tool_versions, write_manifest)
 from dflash_trt.builder.staging import STAGING_MARKER, check_replaceable, exit_on_termination, publish, stage
 from dflash_trt.errors import ConfigError, EngineFormatError, RequestError, validation_error
+from dflash_trt.model.pair import ModelPair
 
 Progress = Callable[[str, str, float | None], None]
 """``progress(event, step, seconds)``: event is "start" or "done"; seconds is set on "done"."""
@@ -187,7 +188,8 @@ def _tokenizer_file(target: Path) -> tuple[str, Path] | None:
     return ("llama2c", found) if found is not None else None
 
 
-def _write_weights(source, expected: dict, file: Path, source_name: str, key=lambda name: name) -> None:
+def _write_weights(source, expected: dict, file: Path, source_name: str, key=lambda name: name,
+                   ignored=lambda name: False) -> None:
     """``file``: every tensor ``expected`` names, read from ``source`` one at a time (``key`` maps our name to the
     source's), checked (names, shapes, finite) and written in its stored dtype. Memory: one tensor."""
     from dflash_trt.builder.target_checkpoint import check_state_dict, refuse_non_finite
@@ -195,7 +197,8 @@ def _write_weights(source, expected: dict, file: Path, source_name: str, key=lam
 
     specs = {name: source.specs[key(name)] for name in expected if key(name) in source.specs}
     found = {name: _Shape(shape) for name, (_, shape) in specs.items()}
-    check_state_dict(expected, found | {k: _Shape(source.specs[k][1]) for k in _unknown(source, expected, key)},
+    unknown = [k for k in _unknown(source, expected, key) if not ignored(k)]
+    check_state_dict(expected, found | {k: _Shape(source.specs[k][1]) for k in unknown},
                      source_name)
     file.parent.mkdir(parents=True, exist_ok=True)
     with SafetensorsWriter(file, [(name, dtype, tuple(shape)) for name, (dtype, shape) in specs.items()],
@@ -223,7 +226,7 @@ def _write_engine_weights(target_source, target_cfg, draft_path: Path | None, dr
     """``folder/target.safetensors`` (our tensor names) and ``folder/draft/`` (z-lab config.json + model.safetensors),
     each tensor in the dtype it is stored in: the torch backend loads them, the graphs read them as external data."""
     from dflash_trt.builder.draft_checkpoint import draft_config_json
-    from dflash_trt.builder.target_checkpoint import expected_tensors
+    from dflash_trt.builder.target_checkpoint import expected_tensors, ignored_hf_key
     from dflash_trt.builder.tensor_stream import TensorSource
     from dflash_trt.model.draft_head import DraftHead
     from dflash_trt.model.target import TargetModel
@@ -232,7 +235,7 @@ def _write_engine_weights(target_source, target_cfg, draft_path: Path | None, dr
         return name if name in target_source.specs else ("model." + name if not name.startswith("lm_head") else name)
 
     _write_weights(target_source, expected_tensors(TargetModel.without_weights(target_cfg)),
-                   folder / "target.safetensors", target_name, key)
+                   folder / "target.safetensors", target_name, key, partial(ignored_hf_key, config=target_cfg))
     if draft_path is None:
         return
     source = TensorSource.from_folder(draft_path)
@@ -500,8 +503,13 @@ def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_gr
     """The target graph plus the drafter graph(s): ONNX Runtime gets ``target_step.onnx`` and, for the standard
     variant, ``draft_step.onnx`` (both update their KV caches in place; ``draft.onnx`` for a drafter with sliding-window
     layers) or the plugin variant; TensorRT gets ``target.onnx`` and both drafter variants."""
-    from dflash_trt.builder.export_onnx import (export_draft, export_step_draft, export_step_target, export_target,
-                                                in_place_drafter)
+    from dflash_trt.builder.export_onnx import (
+        export_draft,
+        export_step_draft,
+        export_step_target,
+        export_target,
+        in_place_drafter,
+    )
     from dflash_trt.builder.manifest import PluginStamp
     from dflash_trt.plugins.schema import BLOCK_ATTENTION
 

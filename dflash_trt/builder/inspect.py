@@ -15,8 +15,8 @@ import torch
 
 from dflash_trt.builder.draft_checkpoint import check_draft_tensors, read_draft_config
 from dflash_trt.builder.load import load_target, validate_pair
-from dflash_trt.builder.safe_files import TensorEntry, is_torch_pickle, read_headers, read_json, refuse_pickle
-from dflash_trt.builder.safe_files import safetensors_files
+from dflash_trt.builder.safe_files import (TensorEntry, is_torch_pickle, read_headers, read_json, refuse_pickle,
+                                         safetensors_files)
 from dflash_trt.builder.target_checkpoint import (check_state_dict, expected_tensors, find_llama2c_model,
                                                  hf_target_entries, read_hf_target_config, read_llama2c_header)
 from dflash_trt.config import DraftConfig, TargetConfig
@@ -64,7 +64,7 @@ def _describe_target(path: Path) -> tuple[dict[str, Any], TargetConfig]:
             return _target_info(path, model.config, "HF safetensors",
                                 type(tokenizer).__name__ if tokenizer is not None else None, {}, params), model.config
         config = read_hf_target_config(path)
-        entries = hf_target_entries(path)
+        entries = hf_target_entries(path, config)
         check_state_dict(expected_tensors(TargetModel.without_weights(config)), entries, str(path))
         # tokenizer.json is named, not parsed (a 151k-token vocabulary costs more than every header)
         tokenizer = "HFTokenizer" if (path / "tokenizer.json").is_file() else None

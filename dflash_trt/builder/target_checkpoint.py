@@ -145,12 +145,19 @@ def stream_weights(model: nn.Module, entries: Mapping[str, TensorEntry], dtype: 
     assign_weights(model, state, source)
 
 
-def hf_target_entries(folder: Path) -> dict[str, TensorEntry]:
-    """The target tensors of an HF folder under our names (``model.`` prefix stripped, RoPE caches skipped), from
-    the safetensors headers only."""
+def ignored_hf_key(name: str, config: TargetConfig) -> bool:
+    """An HF checkpoint key that holds nothing the model reads: a RoPE ``inv_freq`` cache (computed here), or the
+    LM head of a tied checkpoint that stores one anyway (transformers ties it to the embedding and ignores the stored
+    copy; published Qwen3 files carry one)."""
+    return name.endswith(_IGNORED_HF_KEYS) or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def hf_target_entries(folder: Path, config: TargetConfig) -> dict[str, TensorEntry]:
+    """The target tensors of an HF folder under our names (``model.`` prefix stripped, keys the model does not read
+    skipped: :func:`ignored_hf_key`), from the safetensors headers only."""
     entries: dict[str, TensorEntry] = {}
     for name, entry in read_headers(safetensors_files(folder)).items():
-        if not name.endswith(_IGNORED_HF_KEYS):
+        if not ignored_hf_key(name, config):
             entries[name.removeprefix("model.")] = entry
     return entries
 
@@ -162,7 +169,8 @@ def read_hf_target_config(folder: Path) -> TargetConfig:
 def load_hf_target(folder: Path, dtype: torch.dtype) -> tuple[TargetModel, Tokenizer | None]:
     """A transformers ``save_pretrained`` folder (single or sharded safetensors, optional tokenizer.json), streamed
     into ``dtype``: headers checked against the key table first, then one tensor at a time."""
-    model = stream_target(read_hf_target_config(folder), hf_target_entries(folder), dtype, str(folder))
+    config = read_hf_target_config(folder)
+    model = stream_target(config, hf_target_entries(folder, config), dtype, str(folder))
     tokenizer_file = folder / "tokenizer.json"
     return model, (HFTokenizer(tokenizer_file) if tokenizer_file.is_file() else None)
 

@@ -187,3 +187,34 @@ def test_dtype_auto_is_the_checkpoints_own(tmp_path):
     assert {p.dtype for p in pair.target.parameters()} == {torch.bfloat16}
     with pytest.raises(CheckpointFormatError, match=r"dtype is 'fp8'; expected one of \['auto', 'float32'"):
         resolve_dtype("fp8")
+
+
+def _store_a_tied_lm_head(folder: Path, state: dict[str, torch.Tensor], head: torch.Tensor) -> None:
+    """Add ``lm_head.weight`` to the last shard of a tied folder, as published Qwen3 files store one."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = "model-00002-of-00002.safetensors"
+    _rewrite(folder / shard, lambda t: t.update({"lm_head.weight": head}))
+    index["weight_map"]["lm_head.weight"] = shard
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_a_tied_checkpoint_that_also_stores_its_lm_head_loads_inspects_and_builds_tied(tmp_path):
+    """transformers ties the head to the embedding and ignores a stored copy; so do load, inspect and build (one
+    tensor, the embedding's). An untied checkpoint with a stray tensor is still refused, naming it."""
+    from dflash_trt.builder.engine import BuildConfig, build_engine
+    from dflash_trt.builder.safe_files import read_headers
+
+    state = write_sharded_target(tmp_path / "t", tied=True)
+    _store_a_tied_lm_head(tmp_path / "t", state, torch.zeros_like(state["embed_tokens.weight"]))
+    model, _ = load_target(tmp_path / "t", torch.bfloat16)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert torch.equal(model.embed_tokens.weight, state["embed_tokens.weight"])
+    assert describe_checkpoint(tmp_path / "t")["weight_bytes"] > 0
+    engine = build_engine(BuildConfig(target=tmp_path / "t", out=tmp_path / "engine", backend="torch")).folder
+    stored = read_headers(sorted(engine.rglob("target.safetensors")))
+    assert "lm_head.weight" not in stored and "embed_tokens.weight" in stored
+
+    write_sharded_target(tmp_path / "untied")
+    _store_a_tied_lm_head(tmp_path / "untied", state, torch.zeros(2))
+    with pytest.raises(CheckpointFormatError, match=r"unknown \['lm_head.weight'\]|lm_head.weight` has shape"):
+        load_target(tmp_path / "untied", torch.bfloat16)
