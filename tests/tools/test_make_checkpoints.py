@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from repo_tool import load_tool
 from safetensors import safe_open
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("make_checkpoints", ROOT / "tools" / "make_checkpoints.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_checkpoints"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-mc = _load_tool()
+mc = load_tool("make_checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +58,7 @@ def test_sharded_index_matches_shards(written):
     seen, total = {}, 0
     for shard in shards:
         with safe_open(str(folder / shard), framework="pt") as handle:
-            for key in handle.keys():
+            for key in handle:
                 tensor = handle.get_tensor(key)
                 assert tensor.dtype == torch.bfloat16
                 seen[key] = shard
@@ -132,6 +119,6 @@ def test_published_shapes():
     draft = mc.draft_config(mc.SHAPES["qwen3-8b"], 5)
     assert draft["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
     assert draft["block_size"] == 16 and draft["num_target_layers"] == 36
-    shapes = dict((name, dims) for name, dims, _ in mc.draft_tensors(mc.SHAPES["qwen3-8b"], 5))
+    shapes = {name: dims for name, dims, _ in mc.draft_tensors(mc.SHAPES["qwen3-8b"], 5)}
     assert shapes["fc.weight"] == (4096, 20480) and len(shapes) == 58
     assert not any(name.startswith(("embed", "lm_head", "model.")) for name in shapes)

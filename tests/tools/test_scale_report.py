@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from repo_tool import ROOT, load_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("scale_report", ROOT / "tools" / "scale_report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scale_report"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sr = _load_tool()
+sr = load_tool("scale_report")
 ALLOCATE = "import sys; block = bytearray(int(sys.argv[1]) * 2**20); block[::4096] = b'x' * len(block[::4096])"
 
 
@@ -69,10 +57,10 @@ def test_run_json_and_kv_line_parsed():
 
 
 def _entry(step, **extra_fields):
-    base = dict(step=step, argv=["dflash-trt", step], wall_s=12.5, exit_code=0, signal=None, peak_rss_kb=1_500_000,
-                cap_gb=18.0, cap_kind="cgroup", cgroup_peak_bytes=None, killed_at_cap=False, timed_out=False,
-                output_tail="", extra={}, target_weight_bytes=1_000_000_000, draft_weight_bytes=200_000_000,
-                shape="qwen3-x", date="2026-01-01 00:00 UTC", commit="abc1234", command=f"dflash-trt {step}")
+    base = {"step": step, "argv": ["dflash-trt", step], "wall_s": 12.5, "exit_code": 0, "signal": None, "peak_rss_kb": 1_500_000,
+                "cap_gb": 18.0, "cap_kind": "cgroup", "cgroup_peak_bytes": None, "killed_at_cap": False, "timed_out": False,
+                "output_tail": "", "extra": {}, "target_weight_bytes": 1_000_000_000, "draft_weight_bytes": 200_000_000,
+                "shape": "qwen3-x", "date": "2026-01-01 00:00 UTC", "commit": "abc1234", "command": f"dflash-trt {step}"}
     return base | extra_fields
 
 
