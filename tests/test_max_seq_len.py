@@ -57,14 +57,6 @@ def test_an_explicit_dtype_with_an_engine_is_refused_not_ignored(command, tmp_pa
     assert "--dtype is bfloat16 with --engine" in str(result.exception) and "Fix:" in str(result.exception)
 
 
-def test_serve_and_bench_default_to_the_checkpoints_dtype():
-    from dflash_trt.bench.command import bench_command
-    from dflash_trt.cli import serve
-
-    for command in (serve, bench_command):
-        assert next(p for p in command.params if p.name == "dtype").default == "auto"
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_serve_builds_its_session_with_the_context_and_dtype_and_announces_the_kv_cache(dtype):
     pytest.importorskip("fastapi")

@@ -49,7 +49,7 @@ def _numbers(text: str, kind, flag: str) -> tuple:
               help="Context of each session slot (prompt + output; the KV cache is sized by it and printed). Default: "
                    "what the benchmark's requests need, the longest prompt run plus --max-new-tokens (at most the "
                    "model's positions), so the caches hold no context that no request uses.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="float32",
               show_default=True, help="With --target: weights, compute and KV cache dtype of our runtime and of the "
               "transformers peer, which runs on the same tensors (auto: the checkpoint's).")
 @click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")

@@ -32,7 +32,7 @@ class ServeConfig(BaseModel):
     max_seq_len: PositiveInt | None = Field(default=None, description="Longest prompt + output; sizes each slot's KV "
                                             "cache (None = min(the model's positions, 4096)).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto", description="Weights, compute and KV cache dtype of checkpoints (auto: the checkpoint's).")
+        default="float32", description="Weights, compute and KV cache dtype of checkpoints (auto: the checkpoint's).")
     max_queue: int = Field(default=64, ge=0, description="Requests waiting beyond max_batch before 429s.")
     speculation: Literal["auto", "static", "off"] = Field(
         default="auto", description="auto: the cost-model policy; static: always draft block_len-1; off: plain "
