@@ -235,8 +235,8 @@ Examples:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="float32",
               show_default=True, help="With --target: weights, compute and KV cache dtype (auto: the checkpoint's; "
               "bfloat16 halves the memory of both and stays lossless, docs/algorithm.md §3.7, but the start-up "
-              "calibration of --speculation auto takes minutes in bfloat16 on a CPU, docs/serving-notes.md §13). An engine runs "
-              "in the dtype it was built in.")
+              "calibration of --speculation auto takes minutes in bfloat16 on a CPU, docs/serving-notes.md §13). "
+              "An engine runs in the dtype it was built in.")
 @click.option("--max-queue", type=int, default=64, show_default=True, help="Waiting requests beyond --max-batch; "
               "more get 429 with Retry-After.")
 @click.option("--speculation", type=click.Choice(["auto", "static", "off"]), default="auto", show_default=True,
