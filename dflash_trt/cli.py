@@ -232,8 +232,8 @@ Examples:
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port (0 = any free one).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
 @click.option("--max-seq-len", type=int, default=None, help=MAX_SEQ_LEN_HELP)
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="float32",
-              show_default=True, help="With --target: weights, compute and KV cache dtype (auto: the checkpoint's; "
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              help="With --target: weights, compute and KV cache dtype (default float32; auto: the checkpoint's; "
               "bfloat16 halves the memory of both and stays lossless, docs/algorithm.md §3.7, but the start-up "
               "calibration of --speculation auto takes minutes in bfloat16 on a CPU, docs/serving-notes.md §13). "
               "An engine runs in the dtype it was built in.")

@@ -57,6 +57,13 @@ def test_an_explicit_dtype_with_an_engine_is_refused_not_ignored(command, tmp_pa
     assert "--dtype is bfloat16 with --engine" in str(result.exception) and "Fix:" in str(result.exception)
 
 
+def test_an_engine_without_dtype_is_accepted():
+    pytest.importorskip("fastapi")
+    from dflash_trt.serving.openai.server import ServeConfig
+
+    assert ServeConfig(engine="engines/x").dtype is None  # the default must not count as an explicit --dtype
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_serve_builds_its_session_with_the_context_and_dtype_and_announces_the_kv_cache(dtype):
     pytest.importorskip("fastapi")

@@ -49,8 +49,8 @@ def _numbers(text: str, kind, flag: str) -> tuple:
               help="Context of each session slot (prompt + output; the KV cache is sized by it and printed). Default: "
                    "what the benchmark's requests need, the longest prompt run plus --max-new-tokens (at most the "
                    "model's positions), so the caches hold no context that no request uses.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="float32",
-              show_default=True, help="With --target: weights, compute and KV cache dtype of our runtime and of the "
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              help="With --target (default float32): weights, compute and KV cache dtype of our runtime and of the "
               "transformers peer, which runs on the same tensors (auto: the checkpoint's).")
 @click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")
 @click.option("--no-peers", is_flag=True, help="Skip transformers generate() and the dflash reference.")
@@ -78,7 +78,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         _bench_endpoints(endpoints, datasets, prompts_file, num_prompts, concurrency, request_rate, temperature,
                          max_new_tokens, repeats, seed, goodput, api_key, ignore_eos, out)
         return
-    if engine is not None and dtype != "auto":
+    if engine is not None and dtype is not None:
         raise RequestError(f"--dtype is {dtype} with --engine; an engine runs in the dtype it was built in. Fix: "
                            "drop --dtype, or rebuild the engine from a checkpoint in that dtype.")
     from rich.progress import Progress
@@ -148,7 +148,7 @@ def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None
         pair, backend, limit = loaded.pair, loaded.backend, loaded.max_seq_len
     else:
         loaded, backend = None, "torch"
-        pair = load_pair(target, draft, dtype=dtype)
+        pair = load_pair(target, draft, dtype=dtype or "float32")
         limit = pair.target.config.max_position_embeddings
         if pair.draft is not None:
             limit = min(limit, pair.draft.config.max_position_embeddings)

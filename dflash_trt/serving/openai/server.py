@@ -31,8 +31,9 @@ class ServeConfig(BaseModel):
     max_batch: PositiveInt = Field(default=8, description="Requests decoded together in one forward.")
     max_seq_len: PositiveInt | None = Field(default=None, description="Longest prompt + output; sizes each slot's KV "
                                             "cache (None = min(the model's positions, 4096)).")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="float32", description="Weights, compute and KV cache dtype of checkpoints (auto: the checkpoint's).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="Weights, compute and KV cache dtype of checkpoints (None: float32; auto: the "
+        "checkpoint's). Not with `engine`, which runs in the dtype it was built in.")
     max_queue: int = Field(default=64, ge=0, description="Requests waiting beyond max_batch before 429s.")
     speculation: Literal["auto", "static", "off"] = Field(
         default="auto", description="auto: the cost-model policy; static: always draft block_len-1; off: plain "
@@ -49,7 +50,7 @@ class ServeConfig(BaseModel):
         if self.engine is not None and (self.target is not None or self.draft is not None):
             raise RequestError("--engine already holds the target and drafter; expected no --target/--draft with "
                                "it. Fix: drop --target/--draft.")
-        if self.engine is not None and self.dtype != "auto":
+        if self.engine is not None and self.dtype is not None:
             raise RequestError(f"--dtype is {self.dtype} with --engine; an engine runs in the dtype it was built in. "
                                "Fix: drop --dtype, or rebuild the engine from a checkpoint in that dtype.")
         if self.api_key is not None and not self.api_key:
@@ -72,8 +73,8 @@ def build_app(config: ServeConfig, announce=None):
         folders = [config.engine, config.engine / "tokenizer"]
     else:
         session = Session.from_checkpoints(config.target, config.draft, max_batch=config.max_batch,
-                                           max_seq_len=config.max_seq_len, dtype=config.dtype, speculation=policy,
-                                           announce=announce)
+                                           max_seq_len=config.max_seq_len, dtype=config.dtype or "float32",
+                                           speculation=policy, announce=announce)
         target = session.pair.target_path
         folders = [target] if target.is_dir() else [target.parent]
     template = ChatTemplate.for_checkpoint(folders, config.chat_template)
