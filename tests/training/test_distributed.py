@@ -45,9 +45,19 @@ def environment(cache: Path) -> dict[str, str]:
     return {**os.environ, "XDG_CACHE_HOME": str(cache), "OMP_NUM_THREADS": "1"}
 
 
+KNOWN_ABORT = "terminate called without an active exception"
+"""An intermittent C++ abort of one rank under torchrun (gloo, CPU), cause not yet found; retried once, by signature
+only: any other failure, or the same abort twice, fails the test."""
+
+
 def run(out: Path, ranks: int, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(command(out, ranks, *extra), env=environment(cache), capture_output=True, text=True,
-                            timeout=300)
+    for attempt in range(2):
+        result = subprocess.run(command(out, ranks, *extra), env=environment(cache), capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode == 0 or ranks == 1 or KNOWN_ABORT not in result.stderr or attempt == 1:
+            break
+        if "--resume" not in extra:  # a fresh run starts again from an empty folder (a resumed one resumes again)
+            shutil.rmtree(out, ignore_errors=True)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
