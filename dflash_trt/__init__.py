@@ -20,7 +20,7 @@ _EXPORTS = {
     "SamplingParams": "dflash_trt.config",
     "TargetConfig": "dflash_trt.config",
     "DraftConfig": "dflash_trt.config",
-    "load_pair": "dflash_trt.builder.load",
+    "load_pair": "dflash_trt.formats.load",
     "DFlashError": "dflash_trt.errors",
 }
 

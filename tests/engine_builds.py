@@ -18,8 +18,8 @@ def stories_drafter(root: Path, sliding: bool = True, is_causal: bool | None = N
     ``sliding=False`` two full layers (bidirectional in-block, or causal with ``is_causal``)."""
     key = f"drafter-{sliding}-{is_causal}"
     if key not in _CACHE:
-        from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
-        from dflash_trt.builder.load import embedded_target_path, load_target
+        from dflash_trt.formats.draft_checkpoint import save_draft_checkpoint
+        from dflash_trt.formats.load import embedded_target_path, load_target
         from dflash_trt.config import DraftConfig
         from dflash_trt.model.draft_head import DraftHead, build_target_layer_ids
 
@@ -47,7 +47,7 @@ def built_engine(root: Path, name: str, drafter: dict | None = None, **fields) -
     BuildConfig)."""
     if name not in _CACHE:
         from dflash_trt.builder.engine import BuildConfig, build_engine
-        from dflash_trt.builder.load import embedded_target_path
+        from dflash_trt.formats.load import embedded_target_path
 
         config = BuildConfig(target=embedded_target_path(), draft=stories_drafter(root, **(drafter or {})),
                              out=root / name, **fields)

@@ -8,7 +8,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
+from dflash_trt.formats.load import embedded_draft_path, embedded_target_path
 from dflash_trt.cli import main
 
 

@@ -135,7 +135,7 @@ def repo_path_exists(named: str, citing: Path) -> bool | None:
         return None
     if parts[0] in REPO_DIRS:
         return (ROOT / named).exists()
-    if parts[0] in SUBPACKAGES:  # package-relative, e.g. builder/load.py
+    if parts[0] in SUBPACKAGES:  # package-relative, e.g. formats/load.py
         return (ROOT / "dflash_trt" / named).exists() or (ROOT / "tests" / named).exists()
     return None
 
@@ -196,10 +196,10 @@ def test_readme_drafter_command_trains_from_the_shipped_openings_the_drafter_was
 
 
 def test_shipped_calibration_paragraphs_give_the_frozen_modelopt_calibration_ids():
-    from dflash_trt.builder.load import load_pair
-    from dflash_trt.builder.quantized_checkpoint import calibration_batch
+    from dflash_trt.formats.load import load_pair
+    from dflash_trt.formats.quantized_checkpoint import calibration_batch
 
-    frozen = json.loads((ROOT / "tests/builder/data/modelopt_stories260K.json").read_text(encoding="utf-8"))
+    frozen = json.loads((ROOT / "tests/model/data/modelopt_stories260K.json").read_text(encoding="utf-8"))
     lines = (ROOT / "data/tinystories/calibration-paragraphs.txt").read_text(encoding="utf-8").splitlines()
     paragraphs = [line for line in lines if line.strip()]
     assert calibration_batch(load_pair().tokenizer, paragraphs[:64], 64)[:16].tolist() == frozen["calibration"]

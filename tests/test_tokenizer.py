@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.builder.load import embedded_target_path
+from dflash_trt.formats.load import embedded_target_path
 from dflash_trt.errors import RequestError
 from dflash_trt.tokenizer import Llama2cTokenizer, check_text_length
 

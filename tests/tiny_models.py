@@ -202,8 +202,8 @@ class Zoo:
             raw.update(json.loads(spec.config_overrides))
             (folder / "config.json").write_text(json.dumps(raw, indent=2))
         else:
-            from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
-            from dflash_trt.builder.load import load_target
+            from dflash_trt.formats.draft_checkpoint import save_draft_checkpoint
+            from dflash_trt.formats.load import load_target
             from dflash_trt.model.draft_head import DraftHead
 
             target_model, _ = load_target(self.target(target))

@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from dflash_trt.bench.datasets import load_dataset
-from dflash_trt.builder.load import load_pair
+from dflash_trt.formats.load import load_pair
 from dflash_trt.config import SamplingParams
 from dflash_trt.model.draft_head import DraftHead
 from dflash_trt.runtime.session import Session

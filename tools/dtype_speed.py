@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_trt.builder.load import DTYPES, load_pair  # noqa: E402
+from dflash_trt.formats.load import DTYPES, load_pair  # noqa: E402
 from dflash_trt.config import SamplingParams  # noqa: E402
 from dflash_trt.runtime.session import Session  # noqa: E402
 

@@ -29,7 +29,7 @@ MODEL = "stories260K"
 
 
 def tokenize_times(reference: bool) -> None:
-    from dflash_trt.builder.load import embedded_target_path
+    from dflash_trt.formats.load import embedded_target_path
     from dflash_trt.tokenizer import Llama2cTokenizer
 
     tokenizer = Llama2cTokenizer(embedded_target_path().with_name("tok512.bin"))

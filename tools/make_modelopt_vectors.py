@@ -1,4 +1,4 @@
-"""Regenerate the frozen nvidia-modelopt reference vectors in ``tests/builder/data/`` (run in a side venv).
+"""Regenerate the frozen nvidia-modelopt reference vectors in ``tests/model/data/`` (run in a side venv).
 
 The project never depends on modelopt; this script produces the bytes our quantiser must match:
 
@@ -33,9 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_trt.builder.load import embedded_target_path, load_target  # noqa: E402
-from dflash_trt.builder.hf_config import target_config_json  # noqa: E402
-from dflash_trt.builder.quantized_checkpoint import calibration_batch  # noqa: E402
+from dflash_trt.formats.load import embedded_target_path, load_target  # noqa: E402
+from dflash_trt.formats.hf_config import target_config_json  # noqa: E402
+from dflash_trt.formats.quantized_checkpoint import calibration_batch  # noqa: E402
 
 DATA = ROOT / "tests" / "builder" / "data"
 CALIBRATION_TEXTS = ROOT / "data" / "tinystories" / "calibration-paragraphs.txt"

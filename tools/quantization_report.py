@@ -28,9 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_trt.builder.load import load_pair  # noqa: E402
+from dflash_trt.formats.load import load_pair  # noqa: E402
 from dflash_trt.bench.quantization_report import measure_engines, measure_quantization  # noqa: E402
-from dflash_trt.builder.quantized_checkpoint import calibration_batch  # noqa: E402
+from dflash_trt.formats.quantized_checkpoint import calibration_batch  # noqa: E402
 from dflash_trt.training.prompts import read_prompts  # noqa: E402
 
 HELD_OUT_PROMPTS = ROOT / "dflash_trt" / "bench" / "prompts" / "tinystories.jsonl"

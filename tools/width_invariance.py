@@ -126,7 +126,7 @@ def random_model(shape: str, dtype: torch.dtype) -> TargetModel:
 
 
 def loaded_model(path: str, dtype: torch.dtype) -> TargetModel:
-    from dflash_trt.builder.load import load_target
+    from dflash_trt.formats.load import load_target
 
     return load_target(path, dtype)[0].eval()
 

@@ -138,7 +138,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
 def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None, dtype: str, prompt_sets, config):
     """The benchmarked session, its context ``max_seq_len`` or what the requests need (``context_needed``)."""
     from dflash_trt.bench.harness import context_needed
-    from dflash_trt.builder.load import load_pair
+    from dflash_trt.formats.load import load_pair
     from dflash_trt.runtime.session import Session
 
     if engine is not None:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from dflash_trt.model.pair import ModelPair
-from dflash_trt.builder.quantized_checkpoint import Activations, dequantize_into, quantize_target
+from dflash_trt.formats.quantized_checkpoint import Activations, dequantize_into, quantize_target
 from dflash_trt.config import SamplingParams
 from dflash_trt.model.target import TargetModel
 from dflash_trt.runtime.session import Session

@@ -130,7 +130,7 @@ def _gpu_build(work: Path, pair, limits: GraphLimits, gpu) -> tuple[Any, dict[st
     """Build the plans on this GPU. Returns (TensorRTStamp, checks)."""
     import tensorrt as trt
 
-    from dflash_trt.builder.manifest import TensorRTStamp, sha256_file
+    from dflash_trt.formats.manifest import TensorRTStamp, sha256_file
     from dflash_trt.plugins.tensorrt.build_plugin import build_plugin_library
 
     out = work / "tensorrt"

@@ -17,7 +17,7 @@ TensorRT-LLM serves DFlash natively on its PyTorch backend (``DFlashDecodingConf
 The YAML is validated against ``LlmApiOptions``: the keys this bundle writes are checked strictly (field
 names and rules of TensorRT-LLM's LLM API reference, 1.3.0rc27 / 1.4.0rc1, including its ``draft_len_schedule``
 rules); other top-level keys belong to TensorRT-LLM, which validates them itself, and are passed through.
-``plugins/trtllm/runner.py`` runs a bundle on a GPU.
+``serving/trtllm_runner.py`` runs a bundle on a GPU.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pydantic import (
     model_validator,
 )
 
-from dflash_trt.builder.hf_config import target_config_json
+from dflash_trt.formats.hf_config import target_config_json
 from dflash_trt.errors import ConfigError, EngineFormatError, field_error
 
 OPTIONS_FILE = "llm_api_options.yaml"
@@ -303,7 +303,7 @@ def _write_llama2c_target(source: Path, config, folder: Path) -> None:
     llama2.c models are small (the format has no sharding)."""
     from safetensors.torch import save_file
 
-    from dflash_trt.builder.target_checkpoint import read_llama2c
+    from dflash_trt.formats.target_checkpoint import read_llama2c
 
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(target_config_json(config), indent=2) + "\n")

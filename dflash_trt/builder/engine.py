@@ -46,8 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 import dflash_trt
 from dflash_trt.builder.bundle_trtllm import TrtLlmBuildOptions
-from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
-from dflash_trt.builder.manifest import (
+from dflash_trt.formats.load import embedded_draft_path, embedded_target_path
+from dflash_trt.formats.manifest import (
     FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, Manifest, Quantization, QuantName,
     SourceRecord, TokenizerRecord, sha256_file, tool_versions, write_manifest)
 from dflash_trt.builder.staging import STAGING_MARKER, check_replaceable, exit_on_termination, publish, stage
@@ -176,7 +176,7 @@ def _hash_sources(path: Path | None) -> SourceRecord | None:
 
 def _tokenizer_file(target: Path) -> tuple[str, Path] | None:
     """The tokenizer file the target loader reads (beside a llama2.c .bin, or tokenizer.json in an HF folder)."""
-    from dflash_trt.builder.target_checkpoint import find_llama2c_model
+    from dflash_trt.formats.target_checkpoint import find_llama2c_model
 
     if target.is_dir() and (target / "config.json").is_file():
         return ("hf", target / "tokenizer.json") if (target / "tokenizer.json").is_file() else None
@@ -192,8 +192,8 @@ def _write_weights(source, expected: dict, file: Path, source_name: str, key=lam
                    ignored=lambda name: False) -> None:
     """``file``: every tensor ``expected`` names, read from ``source`` one at a time (``key`` maps our name to the
     source's), checked (names, shapes, finite) and written in its stored dtype. Memory: one tensor."""
-    from dflash_trt.builder.target_checkpoint import check_state_dict, refuse_non_finite
-    from dflash_trt.builder.tensor_stream import SafetensorsWriter
+    from dflash_trt.formats.target_checkpoint import check_state_dict, refuse_non_finite
+    from dflash_trt.formats.tensor_stream import SafetensorsWriter
 
     specs = {name: source.specs[key(name)] for name in expected if key(name) in source.specs}
     found = {name: _Shape(shape) for name, (_, shape) in specs.items()}
@@ -225,9 +225,9 @@ def _write_engine_weights(target_source, target_cfg, draft_path: Path | None, dr
                           target_name: str) -> None:
     """``folder/target.safetensors`` (our tensor names) and ``folder/draft/`` (z-lab config.json + model.safetensors),
     each tensor in the dtype it is stored in: the torch backend loads them, the graphs read them as external data."""
-    from dflash_trt.builder.draft_checkpoint import draft_config_json
-    from dflash_trt.builder.target_checkpoint import expected_tensors, ignored_hf_key
-    from dflash_trt.builder.tensor_stream import TensorSource
+    from dflash_trt.formats.draft_checkpoint import draft_config_json
+    from dflash_trt.formats.target_checkpoint import expected_tensors, ignored_hf_key
+    from dflash_trt.formats.tensor_stream import TensorSource
     from dflash_trt.model.draft_head import DraftHead
     from dflash_trt.model.target import TargetModel
 
@@ -295,10 +295,10 @@ def _read_tokenizer(tokenizer: tuple[str, Path] | None):
 
 
 def _target_source(target: Path):
-    """The target's tensors one at a time (``builder/tensor_stream.py``): safetensors headers of an HF folder, or a
+    """The target's tensors one at a time (``formats/tensor_stream.py``): safetensors headers of an HF folder, or a
     llama2.c model (small: the format has no sharding) read whole."""
-    from dflash_trt.builder.target_checkpoint import find_llama2c_model, read_llama2c
-    from dflash_trt.builder.tensor_stream import TensorSource
+    from dflash_trt.formats.target_checkpoint import find_llama2c_model, read_llama2c
+    from dflash_trt.formats.tensor_stream import TensorSource
 
     if target.is_dir() and (target / "config.json").is_file():
         return TensorSource.from_folder(target)
@@ -313,7 +313,7 @@ def _quantize(target: Path, cfg, tokenizer, mode: str, work: Path) -> tuple[Path
     activations (W8A16 / W4A16 emulation on CPU), so torch, ONNX Runtime and TensorRT run numerically the same
     quantized target; TensorRT-LLM reads the folder as it is.
     """
-    from dflash_trt.builder import quantized_checkpoint as qc
+    from dflash_trt.formats import quantized_checkpoint as qc
 
     calibration = None
     if tokenizer is not None:
@@ -340,9 +340,9 @@ def _quantize(target: Path, cfg, tokenizer, mode: str, work: Path) -> tuple[Path
 def _checkpoint_configs(target: Path, draft: Path | None):
     """The target's and drafter's configs from their config files (a llama2.c header), checked as a pair: no tensor
     is read (llama2.c models, which have no separate config, excepted)."""
-    from dflash_trt.builder.draft_checkpoint import read_draft_config
-    from dflash_trt.builder.load import load_target, validate_pair
-    from dflash_trt.builder.target_checkpoint import read_hf_target_config
+    from dflash_trt.formats.draft_checkpoint import read_draft_config
+    from dflash_trt.formats.load import load_target, validate_pair
+    from dflash_trt.formats.target_checkpoint import read_hf_target_config
 
     if target.is_dir() and (target / "config.json").is_file() and not (target / "hf_quant_config.json").is_file():
         target_cfg = read_hf_target_config(target)
@@ -356,7 +356,7 @@ def _checkpoint_configs(target: Path, draft: Path | None):
 
 def _stored_dtype(target: Path) -> str:
     """The dtype of the target checkpoint's float weights (its embedding's), by name; float32 for llama2.c."""
-    from dflash_trt.builder.tensor_stream import TensorSource
+    from dflash_trt.formats.tensor_stream import TensorSource
 
     if not (target.is_dir() and (target / "config.json").is_file()):
         return "float32"
@@ -510,7 +510,7 @@ def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_gr
         export_target,
         in_place_drafter,
     )
-    from dflash_trt.builder.manifest import PluginStamp
+    from dflash_trt.formats.manifest import PluginStamp
     from dflash_trt.plugins.schema import BLOCK_ATTENTION
 
     onnx_dir = work / "onnx"
@@ -542,7 +542,7 @@ def _graph_weights(onnx_dir: Path, pair: ModelPair) -> tuple[dict, dict]:
     ``target.safetensors`` (the drafter borrows its embedding and LM head from there: stored once), the drafter's
     own layers come from ``draft/model.safetensors``."""
     from dflash_trt.builder.export_onnx import stored_tensors
-    from dflash_trt.builder.safe_files import read_header
+    from dflash_trt.formats.safe_files import read_header
 
     names = list(read_header(onnx_dir / "target.safetensors"))
     target = {f"model.{name}": name for name in names}
@@ -571,7 +571,7 @@ def _hollow_pair(target_cfg, draft_cfg, tokenizer, target_path: Path, draft_path
 
 def _dtype_name(file: Path) -> str:
     """The dtype the float weights of an engine's weight file are stored in (its embedding's)."""
-    from dflash_trt.builder.safe_files import read_header
+    from dflash_trt.formats.safe_files import read_header
 
     dtype = read_header(file)["embed_tokens.weight"].dtype
     return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
@@ -580,8 +580,8 @@ def _dtype_name(file: Path) -> str:
 def _dequantizing_source(folder: Path):
     """A quantized export read back as float tensors under HF names: each quantized linear's weight dequantized from
     its stored FP8/NVFP4 tensors (float32, what every CPU backend runs), the rest as stored."""
-    from dflash_trt.builder import quantize as q
-    from dflash_trt.builder.tensor_stream import TensorSource
+    from dflash_trt.model import quantize as q
+    from dflash_trt.formats.tensor_stream import TensorSource
 
     stored = TensorSource.from_folder(folder)
     scales = (".weight_scale", ".weight_scale_2", ".input_scale")

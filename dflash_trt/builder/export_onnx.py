@@ -453,7 +453,7 @@ class StoredTensor:
 def stored_tensors(file: Path, location: str, names: Mapping[str, str]) -> dict[str, StoredTensor]:
     """``names`` (graph parameter name -> tensor name in ``file``) as :class:`StoredTensor` records, from the file's
     safetensors header."""
-    from dflash_trt.builder.safe_files import read_header
+    from dflash_trt.formats.safe_files import read_header
 
     header = read_header(file)
     return {graph: StoredTensor(location, header[key].offset, header[key].nbytes, header[key].dtype,

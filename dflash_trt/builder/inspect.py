@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from dflash_trt.builder.draft_checkpoint import check_draft_tensors, read_draft_config
-from dflash_trt.builder.load import load_target, validate_pair
-from dflash_trt.builder.safe_files import (TensorEntry, is_torch_pickle, read_headers, read_json, refuse_pickle,
+from dflash_trt.formats.draft_checkpoint import check_draft_tensors, read_draft_config
+from dflash_trt.formats.load import load_target, validate_pair
+from dflash_trt.formats.safe_files import (TensorEntry, is_torch_pickle, read_headers, read_json, refuse_pickle,
                                          safetensors_files)
-from dflash_trt.builder.target_checkpoint import (check_state_dict, expected_tensors, find_llama2c_model,
+from dflash_trt.formats.target_checkpoint import (check_state_dict, expected_tensors, find_llama2c_model,
                                                  hf_target_entries, read_hf_target_config, read_llama2c_header)
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import CheckpointFormatError, DFlashError

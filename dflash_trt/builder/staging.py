@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from dflash_trt.builder.manifest import FORMAT, MANIFEST_NAME
+from dflash_trt.formats.manifest import FORMAT, MANIFEST_NAME
 from dflash_trt.errors import EngineExistsError
 
 STAGING_MARKER = ".dflash-trt-staging"

@@ -207,7 +207,7 @@ class DraftHead(nn.Module):
     @classmethod
     def without_weights(cls, cfg: DraftConfig, max_positions: int | None = None) -> DraftHead:
         """The module tree with its weight matrices on the ``meta`` device (no memory, no random initialisation:
-        ``model/meta.py``) and a real RoPE table; ``builder/draft_checkpoint.py`` assigns each parameter its tensor."""
+        ``model/meta.py``) and a real RoPE table; ``formats/draft_checkpoint.py`` assigns each parameter its tensor."""
         with meta_parameters():
             return cls(cfg, max_positions)
 

@@ -6,7 +6,7 @@ and attention reads keys ``[0, start + T)``. Buffers are allocated once; their a
 change, which keeps the hot path free of allocation and capturable by CUDA graphs.
 
 ``KVCachePlan`` is what a session's caches will take, computed from the configs before anything is
-allocated: start-up prints it and refuses a plan that does not fit (``runtime/memory.py``).
+allocated: start-up prints it and refuses a plan that does not fit (``model/memory.py``).
 """
 
 from __future__ import annotations

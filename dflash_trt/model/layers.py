@@ -2,7 +2,7 @@
 
 Conventions follow Hugging Face Llama/Qwen3 (rotate-half RoPE, pre-norm blocks) so that
 checkpoints load through an explicit key table and logits match transformers in float32.
-llama2.c's interleaved RoPE is converted to rotate-half at load time (builder/target_checkpoint.py).
+llama2.c's interleaved RoPE is converted to rotate-half at load time (formats/target_checkpoint.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``ModelPair``: a target, its optional drafter and tokenizer, loaded and validated together.
 
-The builder's loaders (``builder/load.py``) produce it; every backend, the runtime and training consume
+The builder's loaders (``formats/load.py``) produce it; every backend, the runtime and training consume
 it. It holds modules and paths only: no loading and no validation logic lives here.
 """
 

@@ -41,7 +41,7 @@ class FusedAttention(Protocol):
 
 class TargetAttention(nn.Module):
     kernel = staticmethod(F.scaled_dot_product_attention)
-    """The scaled dot-product attention kernel (``builder/batch_invariant.py`` swaps in a batch-invariant one)."""
+    """The scaled dot-product attention kernel (``model/batch_invariant.py`` swaps in a batch-invariant one)."""
 
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
@@ -104,7 +104,7 @@ class TargetModel(nn.Module):
         """The module tree with its weight matrices on the ``meta`` device: no memory and no random initialisation
         (which took 29.5 s of a 45 s load at 1.7B parameters; ``model/meta.py``). The RoPE table is real (computed,
         not loaded). A loader then gives each parameter its tensor, in its final dtype, with
-        ``load_state_dict(assign=True)`` (``builder/target_checkpoint.py``); ``state_dict()`` already names every
+        ``load_state_dict(assign=True)`` (``formats/target_checkpoint.py``); ``state_dict()`` already names every
         tensor with its shape."""
         with meta_parameters():
             return cls(cfg, max_positions)

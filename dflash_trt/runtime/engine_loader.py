@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.builder.load import DTYPES, load_draft
-from dflash_trt.builder.manifest import Manifest, artefact_file, read_manifest, rebuild_command, verify_artefacts
+from dflash_trt.formats.load import DTYPES, load_draft
+from dflash_trt.formats.manifest import Manifest, artefact_file, read_manifest, rebuild_command, verify_artefacts
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.model.target import TargetModel
@@ -69,7 +69,7 @@ def resolve_backend(manifest: Manifest, requested: str, folder: Path) -> str:
     if requested == "trtllm":
         raise BackendUnavailableError(f"{folder}: backend 'trtllm' is served by TensorRT-LLM, not by Session. Fix: "
                                       f"`trtllm-serve <target> --config {folder}/trtllm/llm_api_options.yaml`, or "
-                                      "dflash_trt.plugins.trtllm.runner.TrtLlmRunner on a GPU machine.")
+                                      "dflash_trt.serving.trtllm_runner.TrtLlmRunner on a GPU machine.")
     spec = backend_spec(requested)  # an unknown name is refused there, listing the known ones
     if requested not in manifest.backends:
         raise IncompatibleEngineError(f"{folder}: backend {requested!r} was not built into this engine; it holds "
@@ -95,8 +95,8 @@ def check_plugins(manifest: Manifest, folder: Path) -> None:
 
 
 def _load_target(folder: Path, manifest: Manifest) -> TargetModel:
-    from dflash_trt.builder.safe_files import read_headers
-    from dflash_trt.builder.target_checkpoint import stream_target
+    from dflash_trt.formats.safe_files import read_headers
+    from dflash_trt.formats.target_checkpoint import stream_target
 
     artefact = manifest.artefact("target_weights")
     if artefact is None:

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
-from dflash_trt.builder.load import load_pair
+from dflash_trt.formats.load import load_pair
 from dflash_trt.model.kv_cache import KVCachePlan
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
@@ -107,7 +107,7 @@ class Session:
         self.engine = engine
         self.speculation = speculation or SpeculationConfig()
         # the backend sizes its caches from these limits, refuses them when they do not fit the memory available
-        # (runtime/memory.py), then allocates them once
+        # (model/memory.py), then allocates them once
         self.backend = create_backend(backend, pair, self.max_seq_len, engine, max_batch)
         # what the caches take: kv_cache.line() is the start-up line the commands print, through ``announce`` as
         # soon as they are allocated (before the calibration of `auto` speculation, which takes a while at size)

@@ -127,7 +127,7 @@ def template_text() -> str:
 def _check_source(config: TritonExportConfig) -> None:
     """Fail at export, not at server start, on sources that cannot load (cheap checks only)."""
     if config.engine is not None:
-        from dflash_trt.builder.manifest import read_manifest
+        from dflash_trt.formats.manifest import read_manifest
 
         built = read_manifest(config.engine).build.max_batch_size
         if config.max_batch_size > built:
@@ -136,8 +136,8 @@ def _check_source(config: TritonExportConfig) -> None:
                                f"--max-batch-size {built} or less, or rebuild the engine with --max-batch-size "
                                f"{config.max_batch_size}.")
     if config.draft is not None:
-        from dflash_trt.builder.draft_checkpoint import parse_draft_config
-        from dflash_trt.builder.safe_files import read_json
+        from dflash_trt.formats.draft_checkpoint import parse_draft_config
+        from dflash_trt.formats.safe_files import read_json
 
         parse_draft_config(read_json(config.draft / "config.json", "config.json"), str(config.draft))
 
@@ -170,11 +170,11 @@ def llmapi_sources(config: TritonExportConfig):
     """``(target, LLM() options, DrafterFacts)`` for model.yaml: an engine's ``--backend trtllm`` bundle as built
     (its HF target folder included), else options made from the drafter's config and the target's path."""
     from dflash_trt.builder import bundle_trtllm
-    from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
+    from dflash_trt.formats.load import embedded_draft_path, embedded_target_path
     from dflash_trt.serving.triton_llmapi import DrafterFacts, default_options
 
     if config.engine is not None:
-        from dflash_trt.builder.manifest import read_manifest
+        from dflash_trt.formats.manifest import read_manifest
 
         manifest = read_manifest(config.engine)
         if manifest.dflash is None or "draft" not in manifest.sources:
@@ -190,8 +190,8 @@ def llmapi_sources(config: TritonExportConfig):
             return config.llmapi_model or str(bundle / "target"), options, facts
         target, draft = manifest.sources["target"].path, manifest.sources["draft"].path
     else:
-        from dflash_trt.builder.draft_checkpoint import parse_draft_config
-        from dflash_trt.builder.safe_files import read_json
+        from dflash_trt.formats.draft_checkpoint import parse_draft_config
+        from dflash_trt.formats.safe_files import read_json
 
         target_path = config.target or embedded_target_path()
         draft_path = config.draft or (embedded_draft_path() if config.target is None else None)

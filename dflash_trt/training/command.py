@@ -230,7 +230,7 @@ def eval_command(target, draft, prompts, limit, block_len, max_new_tokens, tempe
 
     import torch
 
-    from dflash_trt.builder.load import load_pair
+    from dflash_trt.formats.load import load_pair
     from dflash_trt.training.evaluation import evaluate
     from dflash_trt.training.prompts import heldout_prompts_path, read_prompts
 

@@ -105,7 +105,7 @@ def activation_terms(target: TargetConfig, draft: DraftConfig, target_itemsize: 
 def plan_training_memory(config: TrainConfig, world_size: int = 1) -> TrainingMemoryPlan:
     """The per-rank plan of ``config`` on ``world_size`` ranks, from the target's config and headers only."""
     from dflash_trt.builder.inspect import describe_checkpoint
-    from dflash_trt.builder.load import embedded_target_path
+    from dflash_trt.formats.load import embedded_target_path
     from dflash_trt.training.draft_config import draft_config_for
     from dflash_trt.training.parallel import check_batch_split
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_trt import __version__
-from dflash_trt.builder.draft_checkpoint import load_draft_checkpoint, save_draft_checkpoint
-from dflash_trt.builder.load import embedded_target_path, load_target, resolve_dtype
+from dflash_trt.formats.draft_checkpoint import load_draft_checkpoint, save_draft_checkpoint
+from dflash_trt.formats.load import embedded_target_path, load_target, resolve_dtype
 from dflash_trt.config import DraftConfig
 from dflash_trt.errors import TrainingError
 from dflash_trt.model.draft_head import DraftHead

@@ -14,7 +14,7 @@ import torch
 
 from dflash_trt.bench import peers as peers_module
 from dflash_trt.bench.harness import BenchConfig, cell_summary, run_benchmark
-from dflash_trt.builder.load import load_pair
+from dflash_trt.formats.load import load_pair
 from dflash_trt.runtime.session import Session
 
 pytest.importorskip("transformers")

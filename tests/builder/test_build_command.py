@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 from engine_builds import stories_drafter
 
-from dflash_trt.builder.load import embedded_target_path
-from dflash_trt.builder.manifest import read_manifest
+from dflash_trt.formats.load import embedded_target_path
+from dflash_trt.formats.manifest import read_manifest
 from dflash_trt.cli import main
 from dflash_trt.plugins.tensorrt.device import gpu_info
 

@@ -45,7 +45,7 @@ def test_profiles_cover_one_row_up_to_the_build_limits(tmp_path_factory):
 @pytest.mark.skipif(find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx not installed")
 def test_plugin_free_graphs_parse_and_build_with_tensorrt_rtx(tmp_path_factory):
     """A ``--backend tensorrt`` build on a CPU runs ``rtx_check`` on its plugin-free graphs and records it."""
-    from dflash_trt.builder.manifest import read_manifest
+    from dflash_trt.formats.manifest import read_manifest
 
     engine = built_engine(tmp_path_factory.getbasetemp(), "trt", backend="tensorrt")
     results = {name: outcome for name, outcome in read_manifest(engine).checks.items()
@@ -83,7 +83,7 @@ def test_tensorrt_draft_plan_runs_the_block_attention_plugin(tmp_path_factory):
     """The drafter's plan uses DFlashBlockAttention (built here for this SM) and still matches torch greedy."""
     if not _plugin_toolchain():
         pytest.skip("TensorRT headers (TENSORRT_INCLUDE) or a CUDA toolkit (CUDA_HOME) not found")
-    from dflash_trt.builder.manifest import read_manifest
+    from dflash_trt.formats.manifest import read_manifest
     from dflash_trt.config import SamplingParams
     from dflash_trt.runtime.session import Session
 

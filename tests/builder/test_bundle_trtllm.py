@@ -15,10 +15,10 @@ from dflash_trt.builder.bundle_trtllm import (
     check_parallelism,
     validate_options,
 )
-from dflash_trt.builder.hf_config import target_config_json
+from dflash_trt.formats.hf_config import target_config_json
 from dflash_trt.errors import BackendUnavailableError, ConfigError, EngineFormatError
 from dflash_trt.plugins.tensorrt.device import gpu_info
-from dflash_trt.plugins.trtllm.runner import TrtLlmRunner
+from dflash_trt.serving.trtllm_runner import TrtLlmRunner
 
 GOOD = {"max_batch_size": 4, "max_seq_len": 512, "max_num_tokens": 512,
         "kv_cache_config": {"free_gpu_memory_fraction": 0.85},
@@ -88,7 +88,7 @@ def test_draft_len_schedules_tensorrt_llm_refuses_are_refused(spec, message):
 
 @pytest.fixture(scope="module")
 def stories():
-    from dflash_trt.builder.load import load_pair
+    from dflash_trt.formats.load import load_pair
 
     return load_pair()  # target: 8 heads, 4 KV heads, 5 layers; drafter: 8 heads, 4 KV heads
 
@@ -129,7 +129,7 @@ def _bundle(tmp_path, name, **trtllm):
 
 
 def test_a_multi_gpu_bundle_with_user_keys_reaches_the_yaml_the_runner_and_the_llmapi_model(tmp_path):
-    from dflash_trt.builder.manifest import read_manifest
+    from dflash_trt.formats.manifest import read_manifest
     from dflash_trt.serving.triton_llmapi import validate_model_yaml
     from dflash_trt.serving.triton_llmapi import DrafterFacts
     from dflash_trt.serving.triton_repo import TritonExportConfig, export_repository
@@ -193,7 +193,7 @@ def test_parallel_flags_need_the_trtllm_backend(tmp_path):
 
 
 def test_hf_config_of_a_qwen3_target_round_trips_through_our_parser():
-    from dflash_trt.builder.hf_config import parse_target_config
+    from dflash_trt.formats.hf_config import parse_target_config
     from dflash_trt.config import RopeConfig, TargetConfig
 
     cfg = TargetConfig(family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -6,7 +6,7 @@ import pytest
 from engine_builds import built_engine, stories_drafter
 
 from dflash_trt.builder.engine import BuildConfig, build_engine
-from dflash_trt.builder.load import embedded_target_path
+from dflash_trt.formats.load import embedded_target_path
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import EngineExistsError, RequestError
 from dflash_trt.runtime.session import Session

@@ -89,7 +89,7 @@ def test_full_attention_drafter_gets_the_in_place_graph(tmp_path_factory, is_cau
 
 
 def test_plugin_drafter_graph_has_one_node_per_layer_with_trt_plugin_attributes(tmp_path_factory):
-    from dflash_trt.builder.manifest import read_manifest
+    from dflash_trt.formats.manifest import read_manifest
 
     folder = built_engine(tmp_path_factory.getbasetemp(), "ort-plugin", backend="onnxruntime", drafter_graph="plugin")
     model, _, _ = _io(folder / "onnx" / "draft_plugin.onnx")

@@ -12,11 +12,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_trt.builder.engine import BuildConfig, build_engine
-from dflash_trt.builder.hf_config import target_config_json
-from dflash_trt.builder.load import embedded_draft_path, load_pair
-from dflash_trt.builder.manifest import read_manifest
-from dflash_trt.builder.quantized_checkpoint import (calibrate_input_amax, quantize_checkpoint, quantize_target)
-from dflash_trt.builder.tensor_stream import SafetensorsWriter, TensorSource
+from dflash_trt.formats.hf_config import target_config_json
+from dflash_trt.formats.load import embedded_draft_path, load_pair
+from dflash_trt.formats.manifest import read_manifest
+from dflash_trt.formats.quantized_checkpoint import (calibrate_input_amax, quantize_checkpoint, quantize_target)
+from dflash_trt.formats.tensor_stream import SafetensorsWriter, TensorSource
 
 CALIBRATION = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(3))
 
@@ -62,7 +62,7 @@ def test_streamed_quantization_writes_the_tensors_of_the_whole_model_path(storie
             got, want = handle.get_tensor(name), expected[name]
             assert got.dtype == want.dtype and got.shape == want.shape, name
             assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).contiguous().view(torch.uint8)), name
-    from dflash_trt.builder import quantize as q
+    from dflash_trt.model import quantize as q
 
     linears = ("self_attn.o_proj",) if mode == "nvfp4" else ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj",
                                                               "mlp.down_proj")  # NVFP4 shares q/k/v, gate/up scales
@@ -162,7 +162,7 @@ def test_a_linear_too_large_for_onnx_runtime_to_fold_is_computed_in_row_blocks_w
 
     from dflash_trt.builder import export_onnx
     from dflash_trt.builder.engine import _graph_weights, _hollow_pair
-    from dflash_trt.builder.tensor_stream import TensorSource
+    from dflash_trt.formats.tensor_stream import TensorSource
 
     target, _ = hf_pair
     folder = tmp_path / "onnx"

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
 
 def test_trtllm_dflash_greedy_equals_plain_decoding(tmp_path):
     from dflash_trt.builder.engine import BuildConfig, build_engine
-    from dflash_trt.plugins.trtllm.runner import TrtLlmRunner
+    from dflash_trt.serving.trtllm_runner import TrtLlmRunner
     from dflash_trt.runtime.session import Session
 
     engine = tmp_path / "stories260K-trtllm"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import PROMPT_VOCAB, DraftSpec, TargetSpec, training_prompts
 
-from dflash_trt.builder.load import load_target
+from dflash_trt.formats.load import load_target
 from dflash_trt.config import SamplingParams
 from dflash_trt.model.frames import FRAME_ROWS, uses_frames
 from dflash_trt.model.layouts import TargetLayout

@@ -3,7 +3,7 @@
 Cropping is bookkeeping: rows past the committed length are stale and the next write overwrites
 them, so a write after a crop must give exactly what a fresh cache fed only the kept rows gives.
 The target-side version of this (logits after rejecting a verified block) is in
-``tests/builder/test_hf_parity.py``; here are the cache itself, the drafter's per-cycle crop
+``tests/formats/test_hf_parity.py``; here are the cache itself, the drafter's per-cycle crop
 (block K/V never survive a cycle) and the fixed addresses over a real generation.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import DraftSpec, TargetSpec
 
-from dflash_trt.builder.load import load_pair
+from dflash_trt.formats.load import load_pair
 from dflash_trt.config import SamplingParams
 from dflash_trt.model.kv_cache import StaticKVCache
 from dflash_trt.runtime.stats import SpecStats

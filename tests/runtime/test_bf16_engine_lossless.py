@@ -32,7 +32,7 @@ def bf16_pair(zoo, tmp_path_factory):
 
 
 def test_a_bf16_engine_is_lossless_against_its_own_plain_decoding_and_computes_in_float32(bf16_pair):
-    from dflash_trt.builder.manifest import read_manifest
+    from dflash_trt.formats.manifest import read_manifest
 
     target, drafter, engine_dir = bf16_pair
     assert read_manifest(engine_dir).build.dtype == "bfloat16"  # stored as the checkpoint is

@@ -189,8 +189,8 @@ def tiny_checkpoints(tmp_path_factory):
     would leave the acceptance path untested. Returns ``(folder, hf_model)``: ``folder/target``, ``folder/draft``.
     """
     transformers = pytest.importorskip("transformers")
-    from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
-    from dflash_trt.builder.load import load_target
+    from dflash_trt.formats.draft_checkpoint import save_draft_checkpoint
+    from dflash_trt.formats.load import load_target
     from dflash_trt.config import DraftConfig
     from dflash_trt.model.draft_head import DraftHead
 
@@ -232,7 +232,7 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_checkpoints, torch_execution):
     """``(session, hf_model)`` on the torch backend (eager, then the static-shape forwards)."""
-    from dflash_trt.builder.load import load_pair
+    from dflash_trt.formats.load import load_pair
     from dflash_trt.runtime.session import Session
 
     root, hf_model = tiny_checkpoints

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import VOCAB, DraftSpec, TargetSpec
 
-from dflash_trt.builder.load import load_pair
+from dflash_trt.formats.load import load_pair
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import DFlashError, RequestError
 from dflash_trt.runtime.session import Session

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from dflash_trt.builder.load import load_pair
+from dflash_trt.formats.load import load_pair
 from dflash_trt.config import SamplingParams
 from dflash_trt.runtime.session import Session
 

@@ -35,7 +35,7 @@ def need_pytriton() -> None:
 @pytest.fixture(scope="session")
 def stories_pair() -> tuple[Path, Path]:
     """(target, drafter): the embedded stories260K pair, passed as explicit paths (the --target/--draft route)."""
-    from dflash_trt.builder.load import embedded_draft_path, embedded_target_path
+    from dflash_trt.formats.load import embedded_draft_path, embedded_target_path
 
     return embedded_target_path(), embedded_draft_path()
 

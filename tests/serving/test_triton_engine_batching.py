@@ -80,7 +80,7 @@ def test_concurrent_requests_share_model_executions_and_equal_plain_decoding(ser
 
 
 def test_export_refuses_a_batch_size_the_engine_was_not_built_for(ort_engine, tmp_path):
-    from dflash_trt.builder.manifest import read_manifest
+    from dflash_trt.formats.manifest import read_manifest
 
     built = read_manifest(ort_engine).build.max_batch_size
     result = CliRunner().invoke(main, ["triton", "export", "--engine", str(ort_engine), "--repo", str(tmp_path),

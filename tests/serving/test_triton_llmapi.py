@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from dflash_trt.builder.draft_checkpoint import parse_draft_config
-from dflash_trt.builder.safe_files import read_json
+from dflash_trt.formats.draft_checkpoint import parse_draft_config
+from dflash_trt.formats.safe_files import read_json
 from dflash_trt.errors import ServingError
 from dflash_trt.serving.triton_llmapi import DrafterFacts, validate_model_yaml
 from dflash_trt.serving.triton_repo import TritonExportConfig, export_repository, load_model_config

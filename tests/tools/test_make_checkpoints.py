@@ -27,7 +27,7 @@ def written(tmp_path_factory):
 @pytest.mark.parametrize("name", ["qwen3-tiny", "llama-tiny"])
 @pytest.mark.parametrize("layers", [1, 5])
 def test_pair_loads_and_validates(written, name, layers):
-    from dflash_trt.builder.load import load_pair
+    from dflash_trt.formats.load import load_pair
 
     pair = load_pair(written / name, written / f"{name}-dflash-{layers}l", dtype="bfloat16")
     shape = mc.SHAPES[name]
@@ -67,7 +67,7 @@ def test_sharded_index_matches_shards(written):
     assert seen == index["weight_map"]
     assert total == index["metadata"]["total_size"]
     assert set(seen) == {name for name, _, _ in mc.target_tensors(mc.SHAPES["qwen3-tiny"])}
-    from dflash_trt.builder.load import load_target
+    from dflash_trt.formats.load import load_target
 
     sharded, _ = load_target(folder)
     single, _ = load_target(written / "qwen3-tiny")
@@ -97,7 +97,7 @@ def test_same_seed_same_bytes_other_seed_differs(written, tmp_path):
 
 def test_published_shapes():
     """The config.json fields of the published models, and the Qwen3-8B-DFlash-b16 drafter shape."""
-    from dflash_trt.builder.hf_config import parse_target_config
+    from dflash_trt.formats.hf_config import parse_target_config
 
     expected = {  # name: (hidden, layers, heads, kv, head_dim, intermediate, vocab, tied, params in billions)
         "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936, True, 0.60),

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 from tiny_models import TargetSpec
 
-from dflash_trt.builder.load import load_target
+from dflash_trt.formats.load import load_target
 from dflash_trt.training.command import train_command
 from dflash_trt.training.config import TrainConfig
 from dflash_trt.training.draft_config import draft_config_for
@@ -63,9 +63,9 @@ def test_target_labels_need_the_target_logits_at_every_position(zoo, tmp_path):
 
 
 def test_dry_run_prints_the_plan_without_reading_a_weight(zoo, tmp_path, monkeypatch):
-    import dflash_trt.builder.load as load
-    import dflash_trt.builder.safe_files as safe_files
-    import dflash_trt.builder.target_checkpoint as target_checkpoint
+    import dflash_trt.formats.load as load
+    import dflash_trt.formats.safe_files as safe_files
+    import dflash_trt.formats.target_checkpoint as target_checkpoint
 
     def refuse(*args, **kwargs):
         raise AssertionError("the dry run read a weight")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import MASK_TOKEN_ID
 
-from dflash_trt.builder.draft_checkpoint import load_draft_checkpoint
+from dflash_trt.formats.draft_checkpoint import load_draft_checkpoint
 from dflash_trt.errors import TrainingError
 from dflash_trt.training import corpus as corpus_module
 from dflash_trt.training.config import DataConfig, TrainConfig

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import MASK_TOKEN_ID, training_prompts
 
-from dflash_trt.builder.load import load_target
+from dflash_trt.formats.load import load_target
 from dflash_trt.errors import TrainingError
 from dflash_trt.training import distill_drafter, draft_config_for, evaluate, self_distill_sequences
 from dflash_trt.training.trainer import Distiller, DistillSettings, learning_rate, new_draft_head

@@ -29,7 +29,7 @@ from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import BackendUnavailableError
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan
 from dflash_trt.plugins.interface import DraftRow, TargetRow
-from dflash_trt.runtime.memory import require_fit
+from dflash_trt.model.memory import require_fit
 
 THREADS_ENV = "DFLASH_ORT_THREADS"
 """Intra-op threads of every session (unset: 1 for small models, else ONNX Runtime's default)."""

@@ -26,7 +26,7 @@ from torch import Tensor
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan
 from dflash_trt.plugins.interface import DraftRow, TargetRow
-from dflash_trt.runtime.memory import require_fit
+from dflash_trt.model.memory import require_fit
 
 
 class Plan(Protocol):

@@ -26,7 +26,7 @@ from dflash_trt.model.frames import uses_frames
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
 from dflash_trt.plugins.torch_ref.graphs import COMPILERS, MAX_BUCKET_WIDTH, CompiledForwards, bucket
 from dflash_trt.plugins.torch_ref.threads import use_intra_op_threads
-from dflash_trt.runtime.memory import require_fit
+from dflash_trt.model.memory import require_fit
 
 DEFAULT_COMPILER: str | None = None
 """Compiler of a backend when ``DFLASH_TORCH_COMPILE`` is unset (None: eager)."""

@@ -12,7 +12,7 @@ pytest.importorskip("onnxruntime")
 
 from engine_builds import built_engine  # noqa: E402
 
-from dflash_trt.builder.manifest import read_manifest  # noqa: E402
+from dflash_trt.formats.manifest import read_manifest  # noqa: E402
 from dflash_trt.config import SamplingParams  # noqa: E402
 from dflash_trt.errors import ConfigError  # noqa: E402
 from dflash_trt.plugins.interface import DraftRow, TargetRow  # noqa: E402
@@ -205,7 +205,7 @@ def test_batched_onnxruntime_session_equals_each_request_alone(engine):
 
 def test_an_engine_sessions_drafter_path_is_a_loadable_drafter_folder(engine):
     """What `bench --engine` hands the reference implementation: the drafter's own z-lab folder."""
-    from dflash_trt.builder.load import load_draft
+    from dflash_trt.formats.load import load_draft
 
     with Session.load(engine) as session:
         folder = session.pair.draft_path

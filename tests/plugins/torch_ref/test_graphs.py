@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from dflash_trt.builder.load import load_pair
+from dflash_trt.formats.load import load_pair
 from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.plugins.torch_ref.backend import TorchBackend
 from dflash_trt.plugins.torch_ref.graphs import bucket

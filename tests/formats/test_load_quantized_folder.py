@@ -1,11 +1,11 @@
-"""``load_target`` recognises a ModelOpt export folder and runs its quantized weights (builder/load.py)."""
+"""``load_target`` recognises a ModelOpt export folder and runs its quantized weights (formats/load.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from dflash_trt.builder.load import embedded_draft_path, embedded_target_path, load_pair, load_target
-from dflash_trt.builder.quantized_checkpoint import calibration_batch, quantize_target, save_quantized_target
+from dflash_trt.formats.load import embedded_draft_path, embedded_target_path, load_pair, load_target
+from dflash_trt.formats.quantized_checkpoint import calibration_batch, quantize_target, save_quantized_target
 from dflash_trt.config import SamplingParams
 from dflash_trt.runtime.session import Session
 

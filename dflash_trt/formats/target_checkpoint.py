@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash_trt.builder.hf_config import parse_target_config
-from dflash_trt.builder.safe_files import (TensorEntry, check_complete, is_torch_pickle, read_headers, read_json,
+from dflash_trt.formats.hf_config import parse_target_config
+from dflash_trt.formats.safe_files import (TensorEntry, check_complete, is_torch_pickle, read_headers, read_json,
                                            read_tensor, refuse_pickle, safetensors_files)
 from dflash_trt.config import RopeConfig, TargetConfig
 from dflash_trt.errors import CheckpointFormatError

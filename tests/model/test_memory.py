@@ -1,4 +1,4 @@
-"""KV cache sizing at session start-up (dflash_trt/runtime/memory.py, model/kv_cache.py ``KVCachePlan``).
+"""KV cache sizing at session start-up (dflash_trt/model/memory.py, model/kv_cache.py ``KVCachePlan``).
 
 A session's caches are sized from ``max_batch`` x ``max_seq_len`` in the runtime dtype, printed, and refused
 with the numbers when they do not fit the memory available (docs/style.md R5). The available figure is
@@ -13,10 +13,10 @@ import pytest
 import torch
 from tiny_models import DraftSpec, TargetSpec
 
-from dflash_trt.builder.load import load_pair
+from dflash_trt.formats.load import load_pair
 from dflash_trt.errors import ConfigError, InsufficientMemoryError, RequestError
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, format_bytes
-from dflash_trt.runtime.memory import AVAILABLE_ENV, HEADROOM_FRACTION, available_memory, parse_size, require_fit
+from dflash_trt.model.memory import AVAILABLE_ENV, HEADROOM_FRACTION, available_memory, parse_size, require_fit
 from dflash_trt.runtime.session import DEFAULT_MAX_SEQ_LEN, Session
 
 # the tiny pair (tests/tiny_models.py): target 6 layers, 2 KV heads of 16; drafter 2 layers, same heads
@@ -84,7 +84,7 @@ def test_nothing_fits_says_so_instead_of_suggesting_zero():
 
 
 def available_memory_of(count: int):
-    from dflash_trt.runtime.memory import AvailableMemory
+    from dflash_trt.model.memory import AvailableMemory
 
     return AvailableMemory(count, "test")
 
@@ -141,7 +141,7 @@ def test_an_onnxruntime_engine_session_plans_exactly_what_its_slot_caches_alloca
 
 
 def _fake_cgroup(tmp_path, monkeypatch, membership: str, files: dict[str, str]) -> None:
-    from dflash_trt.runtime import memory
+    from dflash_trt.model import memory
 
     (tmp_path / "proc_cgroup").write_text(membership)
     for name, text in files.items():

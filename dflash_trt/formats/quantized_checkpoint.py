@@ -31,7 +31,7 @@ verify forward to be the same bits as a 1-token plain step. A static FP8/FP4 act
 turns a last-bit difference at its input into a whole grid step, so the quantised GEMMs here are
 exact integer sums, which do not depend on the number of rows (batch-invariant), and the float ops
 around them (norms, SiLU, attention, the unquantised linears) take the fixed-order forms of
-``builder/batch_invariant.py``. docs/quantization.md §4.1 states what that guarantees.
+``model/batch_invariant.py``. docs/quantization.md §4.1 states what that guarantees.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from dflash_trt import __version__
-from dflash_trt.builder import quantize as q
-from dflash_trt.builder.batch_invariant import make_batch_invariant
-from dflash_trt.builder.hf_config import parse_target_config, target_config_json
-from dflash_trt.builder.safe_files import read_json, read_tensors, safetensors_files
-from dflash_trt.builder.target_checkpoint import check_state_dict
-from dflash_trt.builder.tensor_stream import SafetensorsWriter, TensorSource
+from dflash_trt.model import quantize as q
+from dflash_trt.model.batch_invariant import make_batch_invariant
+from dflash_trt.formats.hf_config import parse_target_config, target_config_json
+from dflash_trt.formats.safe_files import read_json, read_tensors, safetensors_files
+from dflash_trt.formats.target_checkpoint import check_state_dict
+from dflash_trt.formats.tensor_stream import SafetensorsWriter, TensorSource
 from dflash_trt.config import TargetConfig
 from dflash_trt.errors import CheckpointFormatError
 from dflash_trt.model.target import TargetModel

@@ -1,6 +1,6 @@
-"""Non-finite weights are refused at load, naming the tensor (builder/target_checkpoint.py ``refuse_non_finite``),
+"""Non-finite weights are refused at load, naming the tensor (formats/target_checkpoint.py ``refuse_non_finite``),
 on the loader paths: a llama2.c target, a Hugging Face target and a z-lab drafter (an engine folder reads its
-weights through the same two functions; a quantized target is checked after dequantization, in builder/load.py).
+weights through the same two functions; a quantized target is checked after dequantization, in formats/load.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import TargetSpec
 
-from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
-from dflash_trt.builder.load import embedded_draft_path, embedded_target_path, load_draft, load_pair, load_target
+from dflash_trt.formats.draft_checkpoint import save_draft_checkpoint
+from dflash_trt.formats.load import embedded_draft_path, embedded_target_path, load_draft, load_pair, load_target
 from dflash_trt.errors import CheckpointFormatError
 
 LLAMA2C_HEADER_BYTES = 7 * 4  # seven int32 fields, then the float32 weights, token embedding first

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_trt.builder.load import embedded_target_path, load_target
+from dflash_trt.formats.load import embedded_target_path, load_target
 from dflash_trt.config import SamplingParams
 from dflash_trt.runtime.session import Session
 from dflash_trt.tokenizer import Llama2cTokenizer

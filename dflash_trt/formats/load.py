@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.builder.draft_checkpoint import load_draft_checkpoint
-from dflash_trt.builder.safe_files import is_torch_pickle, read_headers, read_json, refuse_pickle, safetensors_files
-from dflash_trt.builder.target_checkpoint import (find_llama2c_model, load_hf_target, load_llama2c_target,
+from dflash_trt.formats.draft_checkpoint import load_draft_checkpoint
+from dflash_trt.formats.safe_files import is_torch_pickle, read_headers, read_json, refuse_pickle, safetensors_files
+from dflash_trt.formats.target_checkpoint import (find_llama2c_model, load_hf_target, load_llama2c_target,
                                                  refuse_non_finite)
 from dflash_trt.config import DraftConfig, RopeConfig, TargetConfig
 from dflash_trt.errors import CheckpointFormatError, IncompatiblePairError
@@ -83,8 +83,8 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[T
         raise CheckpointFormatError(f"{path}: is a {path.suffix or 'suffix-less'} file; expected a checkpoint folder "
                                     "with config.json or a llama2.c .bin. Fix: pass the folder that holds it.")
     if (path / "config.json").is_file():
-        if (path / "hf_quant_config.json").is_file():  # a ModelOpt FP8/NVFP4 export (builder/quantize.py)
-            from dflash_trt.builder.quantized_checkpoint import load_quantized_target
+        if (path / "hf_quant_config.json").is_file():  # a ModelOpt FP8/NVFP4 export (model/quantize.py)
+            from dflash_trt.formats.quantized_checkpoint import load_quantized_target
 
             model, tokenizer = load_quantized_target(path)
             refuse_non_finite(model.state_dict(), str(path))  # the dequantized weights the loop runs

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_trt.builder.load import load_target
+from dflash_trt.formats.load import load_target
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
 from dflash_trt.runtime.session import Session

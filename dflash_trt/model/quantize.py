@@ -1,7 +1,7 @@
 """FP8 and NVFP4 numerics, bit-identical to nvidia-modelopt 0.47.0 (docs/serving-notes.md §3.2).
 
 Pure tensor -> tensor functions; nothing here knows about models or files (the export folder
-is ``builder/quantized_checkpoint.py``). Every formula is the one ModelOpt's HF export uses,
+is ``formats/quantized_checkpoint.py``). Every formula is the one ModelOpt's HF export uses,
 so a checkpoint we write holds the same bytes ModelOpt would write for the same weights and
 calibration amax:
 
@@ -19,7 +19,7 @@ Our own addition, for running the result:
 
 ModelOpt rounds the e2m1 midpoints ties-to-even (docs/serving-notes.md §3.2), so 0.75,
 1.75 and **3.5** round up and 0.25, 1.25, **2.5** and 5 round down (``_cast_fp4`` bumps only
-the bounds 0.75, 1.75, 3.5). The frozen vectors in ``tests/builder/data`` pin this.
+the bounds 0.75, 1.75, 3.5). The frozen vectors in ``tests/model/data`` pin this.
 
 Tensors are computed in float32 whatever the input dtype; ModelOpt promotes bf16/fp16 weights
 to float32 at the same points, so the result is the same bytes.

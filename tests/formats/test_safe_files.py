@@ -1,4 +1,4 @@
-"""builder/safe_files.py: a sharded checkpoint's index may only name shards inside its folder."""
+"""formats/safe_files.py: a sharded checkpoint's index may only name shards inside its folder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_trt.builder.safe_files import read_tensors, safetensors_files
+from dflash_trt.formats.safe_files import read_tensors, safetensors_files
 from dflash_trt.errors import CheckpointFormatError
 
 

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import DraftSpec, TargetSpec
 
-from dflash_trt.builder.draft_checkpoint import save_draft_checkpoint
-from dflash_trt.builder.load import (
+from dflash_trt.formats.draft_checkpoint import save_draft_checkpoint
+from dflash_trt.formats.load import (
     embedded_target_path,
     load_draft,
     load_pair,

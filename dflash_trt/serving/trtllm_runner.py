@@ -21,7 +21,7 @@ class TrtLlmRunner:
     """Run an engine folder's TRT-LLM bundle with ``tensorrt_llm.LLM`` (GPU only) and report ``SpecStats``."""
 
     def __init__(self, engine_dir: str | Path) -> None:
-        from dflash_trt.builder.manifest import read_manifest, verify_artefacts
+        from dflash_trt.formats.manifest import read_manifest, verify_artefacts
         from dflash_trt.plugins.tensorrt.device import gpu_info
 
         folder = Path(engine_dir)

@@ -1,4 +1,4 @@
-"""Loading streams (builder/safe_files.py, target_checkpoint.py, draft_checkpoint.py) and ``inspect`` reads headers.
+"""Loading streams (formats/safe_files.py, target_checkpoint.py, draft_checkpoint.py) and ``inspect`` reads headers.
 
 A sharded bf16 folder loads into bf16 holding the weights once: the peak of the bytes torch allocates while
 loading (every allocation and free, from the profiler's memory events) stays within the bf16 weights plus one
@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 from torch.profiler import ProfilerActivity, profile
 
-from dflash_trt.builder.draft_checkpoint import draft_config_json
-from dflash_trt.builder.hf_config import target_config_json
+from dflash_trt.formats.draft_checkpoint import draft_config_json
+from dflash_trt.formats.hf_config import target_config_json
 from dflash_trt.builder.inspect import describe_checkpoint, describe_pair
-from dflash_trt.builder.load import load_draft, load_target
+from dflash_trt.formats.load import load_draft, load_target
 from dflash_trt.config import DraftConfig, RopeConfig, TargetConfig
 from dflash_trt.errors import CheckpointFormatError, UnsupportedArchitectureError
 from dflash_trt.model.draft_head import DraftHead
@@ -174,7 +174,7 @@ def test_inspect_checks_every_target_tensor_shape_against_the_header(tmp_path):
 
 
 def test_dtype_auto_is_the_checkpoints_own(tmp_path):
-    from dflash_trt.builder.load import checkpoint_dtype, embedded_target_path, load_pair, resolve_dtype
+    from dflash_trt.formats.load import checkpoint_dtype, embedded_target_path, load_pair, resolve_dtype
 
     write_sharded_target(tmp_path / "t")
     assert checkpoint_dtype(tmp_path / "t") == "bfloat16"  # config.json torch_dtype
@@ -202,7 +202,7 @@ def test_a_tied_checkpoint_that_also_stores_its_lm_head_loads_inspects_and_build
     """transformers ties the head to the embedding and ignores a stored copy; so do load, inspect and build (one
     tensor, the embedding's). An untied checkpoint with a stray tensor is still refused, naming it."""
     from dflash_trt.builder.engine import BuildConfig, build_engine
-    from dflash_trt.builder.safe_files import read_headers
+    from dflash_trt.formats.safe_files import read_headers
 
     state = write_sharded_target(tmp_path / "t", tied=True)
     _store_a_tied_lm_head(tmp_path / "t", state, torch.zeros_like(state["embed_tokens.weight"]))

@@ -18,7 +18,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from dflash_trt.builder.safe_files import (SAFETENSORS_DTYPES, TensorEntry, check_complete, read_headers,
+from dflash_trt.formats.safe_files import (SAFETENSORS_DTYPES, TensorEntry, check_complete, read_headers,
                                            read_tensor, safetensors_files)
 
 _CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}

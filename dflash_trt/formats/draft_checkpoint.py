@@ -18,9 +18,9 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from dflash_trt.builder.hf_config import parse_rope, rope_scaling_json
-from dflash_trt.builder.safe_files import read_headers, read_json, safetensors_files
-from dflash_trt.builder.target_checkpoint import stream_weights
+from dflash_trt.formats.hf_config import parse_rope, rope_scaling_json
+from dflash_trt.formats.safe_files import read_headers, read_json, safetensors_files
+from dflash_trt.formats.target_checkpoint import stream_weights
 from dflash_trt.config import DraftConfig
 from dflash_trt.errors import CheckpointFormatError, UnsupportedArchitectureError
 from dflash_trt.model.draft_head import DraftHead, build_target_layer_ids

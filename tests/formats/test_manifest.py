@@ -10,7 +10,7 @@ import shutil
 import pytest
 from engine_builds import built_engine
 
-from dflash_trt.builder.manifest import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS, read_manifest
+from dflash_trt.formats.manifest import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS, read_manifest
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
 from dflash_trt.runtime.session import Session

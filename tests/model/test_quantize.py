@@ -19,11 +19,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tiny_models import DraftSpec, draft_config_for_spec, perturb_norms
 
-from dflash_trt.builder import quantize as q
-from dflash_trt.builder.hf_config import parse_target_config
-from dflash_trt.builder.load import embedded_draft_path, embedded_target_path, load_draft, load_target
+from dflash_trt.model import quantize as q
+from dflash_trt.formats.hf_config import parse_target_config
+from dflash_trt.formats.load import embedded_draft_path, embedded_target_path, load_draft, load_target
 from dflash_trt.model.pair import ModelPair
-from dflash_trt.builder.quantized_checkpoint import (
+from dflash_trt.formats.quantized_checkpoint import (
     Fp8Linear,
     IntegerQuantizedLinear,
     QuantizedLinear,

@@ -1,4 +1,4 @@
-"""The batch-invariant float ops of the W8A8 / W4A4 emulation (``builder/batch_invariant.py``).
+"""The batch-invariant float ops of the W8A8 / W4A4 emulation (``model/batch_invariant.py``).
 
 Every assertion compares two computations on one machine: a row alone against the same row inside a
 16-row tensor (a plain step against a verify forward), bit for bit. None compares against stored bits,
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.builder import batch_invariant as bi
-from dflash_trt.builder.load import embedded_target_path, load_target
-from dflash_trt.builder.quantized_checkpoint import QuantizedLinear, dequantize_into, quantize_target
+from dflash_trt.model import batch_invariant as bi
+from dflash_trt.formats.load import embedded_target_path, load_target
+from dflash_trt.formats.quantized_checkpoint import QuantizedLinear, dequantize_into, quantize_target
 from dflash_trt.model.layers import RMSNorm, SwiGLU
 from dflash_trt.model.target import TargetAttention, TargetModel
 
