@@ -67,8 +67,13 @@ class TargetConfig(BaseModel):
         return self
 
 
+DraftArchitecture = Literal["dflash", "dflash2"]
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""The ``dflash_config`` keys a DFlash2 drafter adds (docs/algorithm.md §5.5)."""
+
+
 class DraftConfig(BaseModel):
-    """A DFlash drafter, normalised from the z-lab ``config.json`` (docs/algorithm.md §5.1)."""
+    """A DFlash or DFlash2 drafter, normalised from the z-lab ``config.json`` (docs/algorithm.md §5.1, §5.5)."""
 
     model_config = _FROZEN
     hidden_size: PositiveInt = Field(description="Residual width; must equal the target's, H.")
@@ -98,6 +103,17 @@ class DraftConfig(BaseModel):
     input_embedding_scale: float = Field(default=1.0, description="Multiplier on the raw target embedding.")
     output_multiplier: float = Field(default=1.0, description="Multiplier on the draft logits.")
     final_logit_softcapping: PositiveFloat | None = Field(default=None, description="tanh softcap on draft logits.")
+    architecture: DraftArchitecture = Field(
+        default="dflash", description="`dflash` (`DFlashDraftModel`) or `dflash2` (`DFlash2DraftModel`: block "
+        "convolutions around every sublayer and a candidate selector, docs/algorithm.md §2.10).")
+    conv_kernel_size: PositiveInt | None = Field(
+        default=None, description="DFlash2: taps of the grouped dynamic convolution along the block.")
+    conv_group_size: PositiveInt | None = Field(
+        default=None, description="DFlash2: channels sharing one dynamic kernel (divides hidden_size).")
+    selector_rank: PositiveInt | None = Field(
+        default=None, description="DFlash2: rank of the selector's pairwise term (codebooks are V x rank).")
+    selector_top_k: PositiveInt | None = Field(
+        default=None, description="DFlash2: candidates per block slot (top-k of the draft logits, <= vocab_size).")
 
     @model_validator(mode="after")
     def _check_layers(self) -> DraftConfig:
@@ -107,6 +123,30 @@ class DraftConfig(BaseModel):
             )
         if any(self.layer_sliding) and self.sliding_window is None:
             raise ValueError("sliding_attention layers need `sliding_window`; expected a positive int")
+        return self
+
+    @model_validator(mode="after")
+    def _check_dflash2(self) -> DraftConfig:
+        """DFlash2 needs all four of its fields (and they must fit the shapes); DFlash takes none of them."""
+        given = {name: getattr(self, name) for name in DFLASH2_FIELDS}
+        if self.architecture == "dflash":
+            extra = {name: value for name, value in given.items() if value is not None}
+            if extra:
+                raise ValueError(f"got DFlash2 fields {extra} on a DFlash drafter; expected none of "
+                                 f"{list(DFLASH2_FIELDS)}; fix: drop them, or set architecture `dflash2`")
+            return self
+        missing = [name for name, value in given.items() if value is None]
+        if missing:
+            raise ValueError(f"got no {missing} for a DFlash2 drafter; expected positive integers (released "
+                             "drafters: conv_kernel_size 2, conv_group_size 16, selector_rank 256, selector_top_k "
+                             "16); fix: add them to `dflash_config` in config.json")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(f"got conv_group_size={self.conv_group_size} with hidden_size={self.hidden_size}; "
+                             "expected a divisor of hidden_size (the channels split into equal groups); fix: "
+                             "correct `conv_group_size` in dflash_config")
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(f"got selector_top_k={self.selector_top_k} with vocab_size={self.vocab_size}; "
+                             "expected at most vocab_size candidates per slot; fix: lower `selector_top_k`")
         return self
 
     @property

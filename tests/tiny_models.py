@@ -8,7 +8,8 @@ A ``Zoo`` builds and caches, under one temporary folder:
   so norms are really exercised), saved with ``save_pretrained`` (safetensors);
 * **drafters** in the z-lab DFlash layout: random ``DraftHead`` weights, or distilled on the target's
   own greedy continuations through ``dflash_trt.training`` (skipped when that package is absent),
-  saved with ``save_draft_checkpoint``;
+  saved with ``save_draft_checkpoint``; ``DFlash2DraftModel`` drafters too, whose convolutions and
+  candidate selector get random, far-from-identity weights (:func:`randomize_dflash2`);
 * **sessions** over a (target, drafter) pair, reused across requests (``Session`` resets its caches).
 
 Everything is keyed by its spec, so a hypothesis test can draw from a pool of models without rebuilding.
@@ -62,6 +63,14 @@ class DraftSpec:
     distill_steps: int = 0
     distill_prompts: int = 16
     config_overrides: str = ""
+    # DFlash2 (architecture "dflash2"): convolution and selector shapes, and the scale of the selector's pairwise
+    # term against the logits (1: comparable, so the selector often overrules the argmax)
+    architecture: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 8
+    selector_top_k: int = 4
+    selector_scale: float = 1.0
 
 
 def hf_config(spec: TargetSpec):
@@ -115,7 +124,7 @@ def draft_config_for_spec(target_cfg, spec: DraftSpec):
 
     layer_ids = spec.layer_ids or build_target_layer_ids(target_cfg.num_layers, spec.num_layers)
     sliding = spec.sliding or (False,) * spec.num_layers
-    return DraftConfig(
+    return DraftConfig(**dflash2_fields(spec),
         hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
         num_layers=spec.num_layers, num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
         head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps, rope=target_cfg.rope,
@@ -124,6 +133,43 @@ def draft_config_for_spec(target_cfg, spec: DraftSpec):
         target_layer_ids=tuple(layer_ids), block_size=spec.block_size, mask_token_id=MASK_TOKEN_ID,
         layer_sliding=tuple(sliding), sliding_window=spec.sliding_window if any(sliding) else None,
     )
+
+
+def dflash2_fields(spec: DraftSpec) -> dict:
+    """The ``DraftConfig`` fields of a DFlash2 spec (none for DFlash)."""
+    if spec.architecture != "dflash2":
+        return {}
+    return {"architecture": "dflash2", "conv_kernel_size": spec.conv_kernel_size,
+            "conv_group_size": spec.conv_group_size, "selector_rank": spec.selector_rank,
+            "selector_top_k": spec.selector_top_k}
+
+
+def randomize_dflash2(head, seed: int, selector_scale: float, convolutions: bool = True,
+                      selector: bool = True) -> None:
+    """Give DFlash2's parts weights that do real work (a fresh ``BlockConv`` is the identity):
+
+    * convolutions: base tap 0 ``1 + 0.3·N``, later taps ``0.5·N``, kernel projection ``N·0.3/sqrt(H)`` (a
+      per-position correction of about ±0.3 on normed inputs);
+    * selector: codebooks ``N·(scale²/rank)^¼`` and hidden projection ``N/sqrt(H)``, so the pairwise term has a
+      spread of about ``selector_scale`` logits.
+    """
+    generator = torch.Generator().manual_seed(40_000 + seed)
+    hidden = head.config.hidden_size
+    with torch.no_grad():
+        for layer in head.layers if convolutions else ():
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                base = 0.5 * torch.randn(conv.base_kernel.shape, generator=generator)
+                base[:, 0] += 1.0 - 0.4 * base[:, 0]  # tap 0: 1 + 0.3·N
+                conv.base_kernel.copy_(base)
+                weight = conv.kernel_projection.weight
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3 / hidden ** 0.5)
+        if selector:
+            chosen = head.candidate_selector
+            scale = (selector_scale ** 2 / head.config.selector_rank) ** 0.25
+            for table in (chosen.predecessor_codebook.weight, chosen.successor_codebook.weight):
+                table.copy_(torch.randn(table.shape, generator=generator) * scale)
+            weight = chosen.hidden_projection.weight
+            weight.copy_(torch.randn(weight.shape, generator=generator) / hidden ** 0.5)
 
 
 def training_prompts(seed: int, count: int = 16, length: int = 8) -> list[list[int]]:
@@ -151,6 +197,8 @@ def training_api():
 
 def distill(target_model, spec: DraftSpec):
     """A drafter distilled for ``spec.distill_steps`` steps on the target's greedy continuations."""
+    from dflash_trt.config import DraftConfig
+
     draft_config_for, self_distill_sequences, distill_drafter = training_api()
     config = draft_config_for(target_model.config, num_layers=spec.num_layers, block_len=spec.block_size,
                               mask_token_id=MASK_TOKEN_ID, target_layer_ids=spec.layer_ids)
@@ -159,6 +207,18 @@ def distill(target_model, spec: DraftSpec):
                                            "sliding_window": spec.sliding_window})
     sequences = self_distill_sequences(target_model, training_prompts(spec.seed, spec.distill_prompts),
                                        max_new_tokens=40, temperature=0.0, seed=spec.seed)
+    if spec.architecture == "dflash2":  # random convolutions, trained with the rest; the selector is set after
+        from dflash_trt.training.trainer import Distiller, DistillSettings, new_draft_head
+
+        config = DraftConfig.model_validate({**config.model_dump(), **dflash2_fields(spec)})
+        head = new_draft_head(config, spec.seed, target_model)
+        randomize_dflash2(head, spec.seed, spec.selector_scale, selector=False)
+        distiller = Distiller(target_model, head, sequences,
+                              DistillSettings(steps=spec.distill_steps, seed=spec.seed, max_anchors=32))
+        distiller.run(spec.distill_steps)
+        head = distiller.head.eval()
+        randomize_dflash2(head, spec.seed, spec.selector_scale, convolutions=False)
+        return head
     return distill_drafter(target_model, config, sequences, steps=spec.distill_steps, seed=spec.seed,
                            max_anchors=32)
 
@@ -214,6 +274,8 @@ class Zoo:
                     torch.manual_seed(30_000 + spec.seed)
                     head = DraftHead(draft_config_for_spec(target_model.config, spec))
                 perturb_norms(head, spec.seed)
+                if spec.architecture == "dflash2":
+                    randomize_dflash2(head, spec.seed, spec.selector_scale)
             folder = self.root / f"draft-{len(self._drafters)}"
             save_draft_checkpoint(head, folder)
         self._drafters[key] = folder

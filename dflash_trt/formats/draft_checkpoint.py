@@ -1,10 +1,12 @@
-"""Read and write DFlash drafters in the z-lab checkpoint format, unchanged (docs/algorithm.md §5).
+"""Read and write DFlash and DFlash2 drafters in the z-lab checkpoint format, unchanged (docs/algorithm.md §5).
 
 ``config.json`` is a Qwen3 config plus ``num_target_layers``, ``block_size`` and
 ``dflash_config``; ``model.safetensors`` holds ``fc``, ``hidden_norm``, ``norm`` and 11 tensors
-per layer, no prefix, no embedding and no LM head. Keys are looked up in ``dflash_config``
-first, then at the top level, then a default, as the reference does. Loading is strict:
-an unknown architecture (DFlash2 included) or any unmapped tensor is refused, never loaded partially.
+per layer, no prefix, no embedding and no LM head. A ``DFlash2DraftModel`` adds four convolution
+tensors per layer and the candidate selector's three (§5.5); its two codebooks are stored without a
+``.weight`` suffix in released checkpoints, and either spelling loads. Keys are looked up in
+``dflash_config`` first, then at the top level, then a default, as the reference does. Loading is
+strict: an unknown architecture or any unmapped tensor is refused, never loaded partially.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ from safetensors.torch import save_file
 from dflash_trt.formats.hf_config import parse_rope, rope_scaling_json
 from dflash_trt.formats.safe_files import read_headers, read_json, safetensors_files
 from dflash_trt.formats.target_checkpoint import stream_weights
-from dflash_trt.config import DraftConfig
+from dflash_trt.config import DFLASH2_FIELDS, DraftConfig
 from dflash_trt.errors import CheckpointFormatError, UnsupportedArchitectureError
 from dflash_trt.model.draft_head import DraftHead, build_target_layer_ids
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_V2 = "DFlash2DraftModel"
+_ARCHITECTURES = {ARCHITECTURE: "dflash", ARCHITECTURE_V2: "dflash2"}
+_CODEBOOKS = tuple(f"candidate_selector.{name}" for name in ("predecessor_codebook", "successor_codebook"))
+"""Released DFlash2 checkpoints store these embedding tables under the module name, without ``.weight``."""
 DEFAULT_BLOCK_SIZE = 16
+_LOGIT_DEFAULTS = {"output_multiplier": 1.0, "final_logit_softcapping": None}
 _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 
 
@@ -40,24 +47,20 @@ def _lookup(raw: dict[str, Any], key: str, default: Any = None) -> Any:
     return default
 
 
-def _check_identity(raw: dict[str, Any], source: str) -> None:
-    """A v1 DFlash drafter (``DFlashDraftModel``, Qwen3 body, a ``dflash_config``); DFlash2 is refused (§5.4)."""
+def _check_identity(raw: dict[str, Any], source: str) -> str:
+    """A DFlash or DFlash2 drafter (Qwen3 body, a ``dflash_config``): returns ``dflash`` or ``dflash2`` (§5.4)."""
     architectures = raw.get("architectures")
-    if architectures != [ARCHITECTURE]:
-        if isinstance(architectures, list) and "DFlash2DraftModel" in architectures:
-            raise UnsupportedArchitectureError(
-                f"{source}: field `architectures` is {architectures!r}; expected ['{ARCHITECTURE}']. DFlash2 drafters "
-                "add per-layer convolutions and a candidate selector that this version does not implement, so "
-                "the checkpoint is refused rather than loaded partially. Fix: use a DFlash (v1) drafter, or train "
-                "one with `dflash-trt train --target TARGET --out DIR`.")
+    known = isinstance(architectures, list) and len(architectures) == 1 and architectures[0] in _ARCHITECTURES
+    if not known:
         if raw.get("speculators_model_type") == "dflash":
             raise UnsupportedArchitectureError(
                 f"{source}: is a vLLM speculators checkpoint (`speculators_model_type: dflash`); expected the z-lab "
                 f"format with architectures ['{ARCHITECTURE}']. Fix: convert it (target_layer_ids = "
                 "aux_hidden_state_layer_ids - 1, body tensors unchanged).")
         raise UnsupportedArchitectureError(
-            f"{source}: field `architectures` is {architectures!r}; expected ['{ARCHITECTURE}']. Fix: pass a z-lab "
-            "DFlash drafter folder (config.json + model.safetensors) as --draft.")
+            f"{source}: field `architectures` is {architectures!r}; expected ['{ARCHITECTURE}'] or "
+            f"['{ARCHITECTURE_V2}']. Fix: pass a z-lab DFlash or DFlash2 drafter folder (config.json + "
+            "model.safetensors) as --draft.")
     if not isinstance(raw.get("dflash_config"), dict):
         raise CheckpointFormatError(f"{source}: field `dflash_config` is {raw.get('dflash_config')!r}; expected an "
                                     "object with `mask_token_id` (and optionally `target_layer_ids`). Fix: add it.")
@@ -65,6 +68,21 @@ def _check_identity(raw: dict[str, Any], source: str) -> None:
         raise UnsupportedArchitectureError(f"{source}: field `model_type` is {raw.get('model_type')!r}; expected "
                                            "'qwen3' (DFlash drafters are Qwen3 decoder stacks). Fix: pass a z-lab "
                                            "DFlash drafter; other draft families are not supported.")
+    return _ARCHITECTURES[architectures[0]]
+
+
+def _dflash2_fields(raw: dict[str, Any], source: str) -> dict[str, int]:
+    """The four DFlash2 ``dflash_config`` integers (looked up as every DFlash key is), each a positive int."""
+    fields = {}
+    for key in DFLASH2_FIELDS:
+        value = _lookup(raw, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CheckpointFormatError(
+                f"{source}: field `dflash_config.{key}` is {value!r}; expected a positive integer (a "
+                f"{ARCHITECTURE_V2} needs conv_kernel_size, conv_group_size, selector_rank and selector_top_k). "
+                "Fix: copy it from the drafter's published config.json.")
+        fields[key] = value
+    return fields
 
 
 def _layer_types(raw: dict[str, Any], num_layers: int, source: str) -> list[str]:
@@ -85,7 +103,7 @@ def _layer_types(raw: dict[str, Any], num_layers: int, source: str) -> list[str]
 
 def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     """Normalise a z-lab ``config.json`` dict into a ``DraftConfig``, refusing what we cannot run."""
-    _check_identity(raw, source)
+    architecture = _check_identity(raw, source)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(raw.get(key), int):
             raise CheckpointFormatError(f"{source}: field `{key}` is {raw.get(key)!r}; expected an integer. "
@@ -130,6 +148,8 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
         input_embedding_scale=_lookup(raw, "input_embedding_scale", 1.0),
         output_multiplier=_lookup(raw, "output_multiplier", 1.0),
         final_logit_softcapping=softcap,
+        architecture=architecture,
+        **(_dflash2_fields(raw, source) if architecture == "dflash2" else {}),
     )
     try:
         return DraftConfig(**fields)
@@ -147,19 +167,36 @@ def read_draft_config(folder: Path) -> DraftConfig:
     return parse_draft_config(read_json(folder / "config.json", "drafter config.json"), str(folder / "config.json"))
 
 
+def canonical_draft_names(entries: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``entries`` under our module names: a DFlash2 codebook stored as ``candidate_selector.<name>`` (the released
+    spelling) becomes ``candidate_selector.<name>.weight``; a checkpoint holding both spellings is refused."""
+    renamed = dict(entries)
+    for name in _CODEBOOKS:
+        if name in renamed:
+            if f"{name}.weight" in renamed:
+                raise CheckpointFormatError(
+                    f"{source}: tensors `{name}` and `{name}.weight` are both present; expected one spelling of "
+                    "the codebook. Fix: keep one of them (released DFlash2 drafters store the first).")
+            renamed[f"{name}.weight"] = renamed.pop(name)
+    return renamed
+
+
 def check_draft_tensors(head: DraftHead, entries: Mapping[str, Any], source: str) -> None:
-    """Refuse unknown, missing or mis-shaped drafter tensors; ``entries`` need only ``.shape`` (headers do)."""
+    """Refuse unknown, missing or mis-shaped drafter tensors; ``entries`` need only ``.shape`` (headers do).
+    Either codebook spelling is accepted (:func:`canonical_draft_names`)."""
     config = head.config
+    entries = canonical_draft_names(entries, source)
     expected = head.state_dict()
     unknown = sorted(set(entries) - set(expected))
     missing = sorted(set(expected) - set(entries))
     if unknown or missing:
         raise UnsupportedArchitectureError(
-            f"{source}: tensors do not match a {config.num_layers}-layer DFlashDraftModel with "
+            f"{source}: tensors do not match a {config.num_layers}-layer "
+            f"{ARCHITECTURE_V2 if config.architecture == 'dflash2' else ARCHITECTURE} with "
             f"{config.num_taps} taps: unknown {unknown[:6]}{'...' if len(unknown) > 6 else ''}, missing "
             f"{missing[:6]}{'...' if len(missing) > 6 else ''}; expected exactly the z-lab tensor names "
-            "(docs/algorithm.md §5.2). Fix: use an unmodified z-lab-format drafter; DFlash2 and third-party extras are "
-            "not supported.")
+            "(docs/algorithm.md §5.2, §5.5). Fix: use an unmodified z-lab-format drafter whose `architectures` "
+            "names what its tensors are; third-party extras are not supported.")
     for name, tensor in entries.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointFormatError(f"{source}: tensor `{name}` has shape {tuple(tensor.shape)}; expected "
@@ -173,7 +210,7 @@ def load_draft_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32
     target's."""
     folder = Path(folder)
     config = read_draft_config(folder)
-    entries = read_headers(safetensors_files(folder))
+    entries = canonical_draft_names(read_headers(safetensors_files(folder)), str(folder))
     head = DraftHead.without_weights(config)
     check_draft_tensors(head, entries, str(folder))
     stream_weights(head, entries, dtype, str(folder))
@@ -182,8 +219,15 @@ def load_draft_checkpoint(folder: str | Path, dtype: torch.dtype = torch.float32
 
 def draft_config_json(config: DraftConfig, dtype: str = "float32") -> dict[str, Any]:
     """The z-lab ``config.json`` for ``config`` (readable by transformers' Qwen3Config and dflash 0.1.0)."""
+    dflash2 = config.architecture == "dflash2"
+    extras = {key: getattr(config, key) for key in DFLASH2_FIELDS} if dflash2 else {}
+    logits = {key: value for key, value in (("output_multiplier", config.output_multiplier),
+                                            ("final_logit_softcapping", config.final_logit_softcapping))
+              if value != _LOGIT_DEFAULTS[key]}
+    if config.input_embedding_scale != 1.0:
+        logits["input_embedding_scale"] = config.input_embedding_scale
     return {
-        "architectures": [ARCHITECTURE],
+        "architectures": [ARCHITECTURE_V2 if dflash2 else ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -208,7 +252,8 @@ def draft_config_json(config: DraftConfig, dtype: str = "float32") -> dict[str, 
         "dtype": dtype,
         "num_target_layers": config.num_target_layers,
         "block_size": config.block_size,
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                          **extras, **logits},
     }
 
 
@@ -219,6 +264,8 @@ def save_draft_checkpoint(head: DraftHead, folder: str | Path, dtype: torch.dtyp
     dtype_name = str(dtype).removeprefix("torch.")
     config = draft_config_json(head.config, dtype_name)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {name: t.detach().to(dtype).contiguous() for name, t in head.state_dict().items()}
+    # codebooks under the released DFlash2 spelling (no `.weight`), which the reference's from_pretrained maps
+    state = {name.removesuffix(".weight") if name.removesuffix(".weight") in _CODEBOOKS else name:
+             t.detach().to(dtype).contiguous() for name, t in head.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder

@@ -1,5 +1,9 @@
 """THE DFlash draft network (docs/algorithm.md §2): defined once, used by the runtime, training and export.
 
+DFlash2 drafters are the same network plus a block convolution around every sublayer
+(``model/block_conv.py``) and a candidate selector that turns the logits into proposals
+(``model/candidate_selector.py``); both are present only when ``config.architecture == "dflash2"``.
+
 A stack of Qwen3 decoder layers with no embedding and no LM head of its own. The target's
 tapped hidden states are fused once per call (``ctx = hidden_norm(fc(taps))``) and injected as
 extra keys/values into every layer; the block ``[anchor, MASK x (B-1)]`` attends to the context
@@ -26,6 +30,8 @@ from torch import Tensor, nn
 
 from dflash_trt.config import DraftConfig
 from dflash_trt.model.block_attention import block_attention, block_mask, block_visibility, visible
+from dflash_trt.model.block_conv import AFTER, BEFORE, BlockConv
+from dflash_trt.model.candidate_selector import CandidateSelector, Chooser, SelectorWalk, greedy_choice
 from dflash_trt.model.kv_cache import StaticKVCache
 from dflash_trt.model.layers import RMSNorm, RotaryTable, SwiGLU, apply_rope, attend
 from dflash_trt.model.meta import meta_parameters
@@ -117,18 +123,34 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    """A pre-norm Qwen3 block; a DFlash2 layer also wraps each sublayer in a :class:`BlockConv` (§2.10)."""
+
     def __init__(self, cfg: DraftConfig, sliding: bool, causal: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DraftAttention(cfg, sliding, causal)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        dflash2 = cfg.architecture == "dflash2"
+        conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.attention_conv = BlockConv(*conv) if dflash2 else None
+        self.mlp_conv = BlockConv(*conv) if dflash2 else None
 
     def forward(self, layer: int, h: Tensor, ctx: Tensor, block_rope: Rope, context_rope: Rope,
                 keys: KeySource) -> Tensor:
-        # the context is not passed through input_layernorm (docs/algorithm.md §2.4 step 1)
-        h = h + self.self_attn(layer, self.input_layernorm(h), ctx, block_rope, context_rope, keys)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # the context is not passed through input_layernorm (docs/algorithm.md §2.4 step 1), nor convolved
+        h = h + self._around(self.attention_conv, self.input_layernorm(h),
+                             lambda x: self.self_attn(layer, x, ctx, block_rope, context_rope, keys))
+        return h + self._around(self.mlp_conv, self.post_attention_layernorm(h), self.mlp)
+
+    @staticmethod
+    def _around(conv: BlockConv | None, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        """``sublayer(x)``, or with DFlash2 ``after(sublayer(before(x)))``, both kernels projected from x.
+        Shapes: x ``[B, T, H]`` (normed block rows, one block per batch row) -> ``[B, T, H]``."""
+        if conv is None:
+            return sublayer(x)
+        dynamic = conv.dynamic_kernels(x)  # [B, T, 2, ks, G]
+        return conv.convolve(sublayer(conv.convolve(x, BEFORE, dynamic)), AFTER, dynamic)
 
 
 class CachedKeys:
@@ -192,7 +214,8 @@ class OpKeys:
 
 
 class DraftHead(nn.Module):
-    """The DFlash drafter: ``fc``, ``hidden_norm``, ``layers``, ``norm`` (z-lab tensor names)."""
+    """The DFlash drafter: ``fc``, ``hidden_norm``, ``layers``, ``norm`` (z-lab tensor names); a DFlash2 drafter adds
+    ``layers.{i}.attention_conv``/``mlp_conv`` and ``candidate_selector`` (docs/algorithm.md §2.10, §2.11)."""
 
     def __init__(self, cfg: DraftConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -203,6 +226,7 @@ class DraftHead(nn.Module):
                                     for sliding, causal in zip(cfg.layer_sliding, cfg.layer_causal))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.architecture == "dflash2" else None
 
     @classmethod
     def without_weights(cls, cfg: DraftConfig, max_positions: int | None = None) -> DraftHead:
@@ -333,3 +357,14 @@ class DraftHead(nn.Module):
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def propose(self, hidden: Tensor, lm_head_weight: Tensor, anchors: Tensor, choose: Chooser = greedy_choice
+                ) -> SelectorWalk:
+        """DFlash2: the block's proposals as one selector walk from the anchors over the draft logits (§2.11).
+
+        Shapes: hidden ``[B, K, H]`` (what :meth:`forward` returns), lm_head_weight ``[V, H]``, anchors ``[B]``
+        -> :class:`SelectorWalk` (tokens ``[B, K]``, candidates and scores ``[B, K, k]``).
+        """
+        if self.candidate_selector is None:
+            raise ValueError("propose() is DFlash2's; a DFlash drafter proposes the argmax of logits()")
+        return self.candidate_selector.walk(hidden, self.logits(hidden, lm_head_weight), anchors, choose)

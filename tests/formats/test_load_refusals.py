@@ -94,19 +94,22 @@ def assert_names(message: str, *fragments: str) -> None:
 # ============================================================================ drafter config.json
 
 
-def test_dflash2_drafter_is_refused_not_loaded_partially(draft_dir, target_dir, tmp_path):
+def test_dflash2_config_over_dflash_tensors_is_refused_not_loaded_partially(draft_dir, target_dir, tmp_path):
+    """A DFlash2 config.json whose tensors lack the convolutions and the selector (and carry a stray one): the
+    key table names what is unknown and what is missing (the DFlash2 rules themselves: test_dflash2_checkpoint.py)."""
     def as_dflash2(config):
         config["architectures"] = ["DFlash2DraftModel"]
         config["is_causal"] = False
-        config["dflash_config"] |= {"conv_kernel_size": 4, "conv_group_size": 8, "selector_rank": 16}
+        config["dflash_config"] |= {"conv_kernel_size": 4, "conv_group_size": 8, "selector_rank": 16,
+                                    "selector_top_k": 4}
 
     def with_conv(state):
         state["layers.0.attention_conv.weight"] = torch.zeros(64, 8, 4)
 
     folder = clone(draft_dir, tmp_path / "dflash2", as_dflash2, with_conv)
     message = refusal(UnsupportedArchitectureError, load_draft, folder)
-    assert_names(message, "`architectures`", "['DFlash2DraftModel']", "['DFlashDraftModel']")
-    assert "partially" in message
+    assert_names(message, "DFlash2DraftModel", "unknown ['layers.0.attention_conv.weight']",
+                 "candidate_selector.hidden_projection.weight")
     assert refusal(UnsupportedArchitectureError, load_pair, target_dir, folder) == message
 
 

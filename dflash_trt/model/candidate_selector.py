@@ -1,0 +1,114 @@
+"""DFlash2's candidate selector: the block's proposals as one path through per-slot candidates (§2.11).
+
+A DFlash drafter proposes the argmax of each block slot independently. A DFlash2 drafter keeps the
+``k`` best tokens of each slot's logits as candidates and walks the slots in order from the block's
+anchor, scoring each candidate by its logit plus a low-rank pairwise term with the token chosen at
+the slot before:
+
+    score_i(c) = logit_i(c) + Σ_r P[prev, r] · W_h(hidden_i)[r] · S[c, r]
+
+where ``P`` and ``S`` are the predecessor and successor codebooks (``V x rank``), ``W_h`` the hidden
+projection (``H -> rank``) and ``prev`` the anchor for slot 1, else the token chosen at slot ``i - 1``.
+Greedy decoding takes the best-scoring candidate at each step; sampling draws from
+``softmax(score / T)`` over the ``k`` candidates, which is then the proposal distribution ``q`` the
+rejection step uses (support = the candidate ids; docs/algorithm.md §3.4 C).
+
+Tensor names follow the reference (``dflash`` 0.1.0, ``CandidateSelector``); the code here is ours.
+Which candidate is chosen is a :data:`Chooser`, so one walk serves greedy, sampled (each request
+drawing from its own generator) and replayed paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from dflash_trt.config import DraftConfig
+
+Chooser = Callable[[int, Tensor, Tensor], Tensor]
+"""``(slot, scores [B, k], candidate ids [B, k]) -> chosen index [B]`` (long, into the k candidates)."""
+
+
+@dataclass(frozen=True)
+class SelectorWalk:
+    """One walk over a batch of blocks.
+
+    Shapes: tokens ``[B, K]`` (the proposals of slots 1..K), candidates ``[B, K, k]`` (token ids, best logit
+    first), scores ``[B, K, k]`` (each candidate's score given the token chosen at the slot before).
+    """
+
+    tokens: Tensor
+    candidates: Tensor
+    scores: Tensor
+
+    def probabilities(self, temperature: float) -> Tensor:
+        """The proposal distribution over the candidates, ``softmax(scores / T)`` in float32: ``[B, K, k]``."""
+        return torch.softmax(self.scores.float() / temperature, dim=-1)
+
+
+def greedy_choice(slot: int, scores: Tensor, candidates: Tensor) -> Tensor:
+    """The best-scoring candidate (the first of equal ones)."""
+    return scores.argmax(dim=-1)
+
+
+def sampled_choice(temperature: float, generators: Sequence[torch.Generator | None]) -> Chooser:
+    """A draw from ``softmax(scores / T)`` per row, row ``b`` from ``generators[b]`` (each request's own RNG)."""
+
+    def choose(slot: int, scores: Tensor, candidates: Tensor) -> Tensor:
+        probs = torch.softmax(scores.float() / temperature, dim=-1)
+        return torch.cat([torch.multinomial(probs[row], 1, generator=generators[row])
+                          for row in range(probs.shape[0])])
+
+    return choose
+
+
+def replayed_choice(tokens: Tensor) -> Chooser:
+    """Follow a given path ``tokens [B, K]`` (each token must be among its slot's candidates)."""
+
+    def choose(slot: int, scores: Tensor, candidates: Tensor) -> Tensor:
+        hits = candidates == tokens[:, slot, None]
+        if not bool(hits.any(dim=-1).all()):
+            raise ValueError(f"slot {slot}: token(s) {tokens[:, slot].tolist()} are not among the candidates")
+        return hits.int().argmax(dim=-1)
+
+    return choose
+
+
+class CandidateSelector(nn.Module):
+    """``predecessor_codebook``, ``successor_codebook`` (``[V, rank]`` each) and ``hidden_projection`` (H -> rank)."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        if cfg.selector_rank is None or cfg.selector_top_k is None:
+            raise ValueError("a candidate selector needs a DFlash2 config (selector_rank, selector_top_k)")
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """The ``k`` best tokens of every slot, best first. Shapes: logits ``[B, K, V]`` -> (values, ids) ``[B, K, k]``."""
+        return torch.topk(logits, self.top_k, dim=-1)
+
+    def walk(self, hidden: Tensor, logits: Tensor, anchors: Tensor, choose: Chooser = greedy_choice) -> SelectorWalk:
+        """Walk slots 1..K from the anchors, choosing one candidate per slot.
+
+        Shapes: hidden ``[B, K, H]`` (normed draft hidden of slots 1..K), logits ``[B, K, V]`` (after the
+        output multiplier and soft-cap), anchors ``[B]`` (long) -> :class:`SelectorWalk`.
+        """
+        unary, candidates = self.candidates(logits)
+        projected = self.hidden_projection(hidden)  # [B, K, rank]
+        successors = self.successor_codebook(candidates)  # [B, K, k, rank]
+        previous = anchors
+        tokens, scores = [], []
+        for slot in range(hidden.shape[1]):
+            query = self.predecessor_codebook(previous) * projected[:, slot]  # [B, rank]
+            score = unary[:, slot] + (successors[:, slot] @ query.unsqueeze(-1)).squeeze(-1)  # [B, k]
+            index = choose(slot, score, candidates[:, slot])
+            previous = candidates[:, slot].gather(-1, index.unsqueeze(-1)).squeeze(-1)
+            tokens.append(previous)
+            scores.append(score)
+        return SelectorWalk(torch.stack(tokens, dim=1), candidates, torch.stack(scores, dim=1))
