@@ -17,7 +17,7 @@ SCANNED_DIRS = ("dflash_trt", "tests", "tools", "docs", "data", "engines", ".ci"
 SCANNED_TOP = ("README.md", "Makefile", "pyproject.toml")
 TEXT_SUFFIXES = {".py", ".md", ".cpp", ".h", ".cu", ".toml", ".sh", ".cfg", ".yaml", ".yml", ".pbtxt", ""}
 REPO_DIRS = {"dflash_trt", "tests", "tools", "docs", "data"}  # engines/ holds build outputs, named before they exist
-SUBPACKAGES = {"builder", "runtime", "model", "plugins", "serving", "training", "bench"}
+SUBPACKAGES = {"builder", "formats", "runtime", "model", "plugins", "serving", "training", "bench"}
 
 #: an ``x.md`` path; the look-behind keeps it from starting inside a URL or a longer path
 MD_PATH = re.compile(r"(?<![\w./:-])((?:[\w.-]+/)*[\w.-]+\.md)\b")

@@ -4,7 +4,9 @@ A ``BackendSpec`` says what a backend needs and whether it can run on this machi
 engine loader and ``Session`` read those capabilities here instead of keeping lists of names.
 A factory is called as ``factory(pair, max_seq_len, engine, max_batch)``: ``engine`` is the verified
 ``runtime.engine_loader.LoadedEngine`` for backends that execute built artefacts, else None.
-``auto`` resolves to the fastest registered backend that can run here (``rank``: lower is faster).
+``auto`` resolves to the fastest registered backend that can run here (``rank``: lower is faster). Whatever
+the runtime must know about a backend is a capability here (``places_on_device``, ``served_elsewhere``), never a
+test of its name.
 Unknown names raise an error listing the known ones.
 """
 
@@ -26,6 +28,8 @@ class BackendSpec:
     needs_engine: bool  # runs the artefacts of an engine folder (not checkpoints)
     rank: int  # ``auto`` tries lower ranks first: the faster backend where both can run
     blocker: Callable[[object], str | None]  # (manifest or None) -> why it cannot run here, None when it can
+    places_on_device: bool = False  # runs the pair's torch modules, so Session can place them on cuda/cuda:N
+    served_elsewhere: str | None = None  # set when Session never runs it: what serves its folders instead (the fix)
 
     def why_not_runnable(self, manifest=None) -> str | None:
         return self.blocker(manifest)
@@ -82,6 +86,20 @@ def _tensorrt_blocker(manifest) -> str | None:
     return tensorrt_blocker(manifest.tensorrt if manifest is not None else None)
 
 
+#: a ``--backend trtllm`` folder is an LLM-API bundle: TensorRT-LLM runs the whole loop, Session none of it
+TRTLLM_SERVERS = ("it is served by TensorRT-LLM, not by Session. Fix: `trtllm-serve <target> --config "
+                  "{folder}/trtllm/llm_api_options.yaml`, Triton's llmapi model (`dflash-trt triton export`), or "
+                  "dflash_trt.serving.trtllm_runner.TrtLlmRunner on a GPU machine.")
+
+
+def _trtllm_backend(pair, max_seq_len, engine=None, max_batch=1):
+    raise BackendUnavailableError("backend 'trtllm' " + TRTLLM_SERVERS.format(folder="engines/NAME"))
+
+
+def _trtllm_blocker(manifest) -> str | None:
+    return "served by TensorRT-LLM (trtllm-serve or Triton's llmapi model), not by Session"
+
+
 _SPECS: dict[str, BackendSpec] = {}
 
 
@@ -92,17 +110,20 @@ def register_backend(spec: BackendSpec) -> None:
 register_backend(BackendSpec("tensorrt", _tensorrt_backend, needs_engine=True, rank=0, blocker=_tensorrt_blocker))
 register_backend(BackendSpec("onnxruntime", _onnxruntime_backend, needs_engine=True, rank=1,
                              blocker=_onnxruntime_blocker))
-register_backend(BackendSpec("torch", _torch_backend, needs_engine=False, rank=2, blocker=lambda manifest: None))
+register_backend(BackendSpec("torch", _torch_backend, needs_engine=False, rank=2, blocker=lambda manifest: None,
+                             places_on_device=True))
+register_backend(BackendSpec("trtllm", _trtllm_backend, needs_engine=True, rank=3, blocker=_trtllm_blocker,
+                             served_elsewhere=TRTLLM_SERVERS))
 
 
 def available_backends() -> list[str]:
-    """Registered names, fastest first."""
-    return [spec.name for spec in sorted(_SPECS.values(), key=lambda spec: spec.rank)]
+    """Registered names that Session runs, fastest first."""
+    return [spec.name for spec in sorted(_SPECS.values(), key=lambda spec: spec.rank) if spec.served_elsewhere is None]
 
 
 def backend_spec(name: str) -> BackendSpec:
     if name not in _SPECS:
-        raise BackendUnavailableError(f"backend is {name!r}; expected one of {available_backends()} or 'auto'. "
+        raise BackendUnavailableError(f"backend is {name!r}; expected one of {sorted(_SPECS)} or 'auto'. "
                                       "Fix: pass --backend auto.")
     return _SPECS[name]
 

@@ -62,15 +62,16 @@ def resolve_backend(manifest: Manifest, requested: str, folder: Path) -> str:
             reasons[name] = backend_spec(name).why_not_runnable(manifest)
             if reasons[name] is None:
                 return name
+        reasons.update({name: backend_spec(name).why_not_runnable(manifest) for name in manifest.backends
+                        if name not in reasons})  # the folder's other artefacts: what runs them instead
         raise BackendUnavailableError(f"{folder}: no backend of this engine can run here: "
                                       + "; ".join(f"{n}: {r}" for n, r in reasons.items())
                                       + f". Fix: install what is named, or rebuild with `dflash-trt build --backend "
                                       f"onnxruntime --out {folder}`.")
-    if requested == "trtllm":
-        raise BackendUnavailableError(f"{folder}: backend 'trtllm' is served by TensorRT-LLM, not by Session. Fix: "
-                                      f"`trtllm-serve <target> --config {folder}/trtllm/llm_api_options.yaml`, or "
-                                      "dflash_trt.serving.trtllm_runner.TrtLlmRunner on a GPU machine.")
     spec = backend_spec(requested)  # an unknown name is refused there, listing the known ones
+    if spec.served_elsewhere is not None:
+        raise BackendUnavailableError(f"{folder}: backend {requested!r} "
+                                      + spec.served_elsewhere.format(folder=folder))
     if requested not in manifest.backends:
         raise IncompatibleEngineError(f"{folder}: backend {requested!r} was not built into this engine; it holds "
                                       f"{list(manifest.backends)}. Fix: pass --backend {held[0] if held else 'auto'}, "

@@ -26,7 +26,7 @@ from dflash_trt.model.kv_cache import KVCachePlan
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
 from dflash_trt.errors import ConfigError, RequestError
-from dflash_trt.plugins.registry import create_backend
+from dflash_trt.plugins.registry import available_backends, backend_spec, create_backend
 from dflash_trt.runtime.calibration import calibrate
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.loop import Cycle, RequestState
@@ -341,9 +341,11 @@ def _check_device(device: str, backend: str) -> None:
     except (RuntimeError, TypeError):
         raise RequestError(f"device is {device!r}; expected cpu, cuda or cuda:N. Fix: pass --device cpu or "
                            "--device cuda.") from None
-    if backend not in ("torch", "auto"):
-        raise RequestError(f"device is {device!r} with backend {backend!r}; expected device 'cpu' (only the torch "
-                           "backend places weights by device). Fix: drop --device or pass --backend torch.")
+    if backend != "auto" and not backend_spec(backend).places_on_device:
+        placed = [name for name in available_backends() if backend_spec(name).places_on_device]
+        raise RequestError(f"device is {device!r} with backend {backend!r}; expected device 'cpu' (only {placed} "
+                           "place weights by device). Fix: drop --device or pass --backend "
+                           f"{placed[0] if placed else 'auto'}.")
     if device.startswith("cuda") and not torch.cuda.is_available():
         from dflash_trt.errors import BackendUnavailableError
 
