@@ -20,7 +20,7 @@ drawing from its own generator) and replayed paths.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,13 +54,15 @@ def greedy_choice(slot: int, scores: Tensor, candidates: Tensor) -> Tensor:
     return scores.argmax(dim=-1)
 
 
-def sampled_choice(temperature: float, generators: Sequence[torch.Generator | None]) -> Chooser:
-    """A draw from ``softmax(scores / T)`` per row, row ``b`` from ``generators[b]`` (each request's own RNG)."""
+def sampled_choice(temperature: float, uniforms: Tensor) -> Chooser:
+    """A draw from ``softmax(scores / T)`` per row by inversion of ``uniforms [B, K]`` (one per row and slot, each row's
+    from its request's own generator, so a draw depends on nothing else in the batch): the first candidate whose
+    cumulative probability exceeds ``u``."""
 
     def choose(slot: int, scores: Tensor, candidates: Tensor) -> Tensor:
-        probs = torch.softmax(scores.float() / temperature, dim=-1)
-        return torch.cat([torch.multinomial(probs[row], 1, generator=generators[row])
-                          for row in range(probs.shape[0])])
+        cdf = torch.softmax(scores.float() / temperature, dim=-1).cumsum(-1)  # [B, k]
+        below = cdf <= uniforms[:, slot, None].to(cdf.dtype) * cdf[:, -1:]
+        return below.sum(-1).clamp_(max=scores.shape[-1] - 1)
 
     return choose
 

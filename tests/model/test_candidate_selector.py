@@ -54,12 +54,12 @@ def test_sampled_walk_draws_paths_with_the_product_of_softmax_probabilities():
     module = selector(7)
     slots, temperature, draws = 2, 0.8, 6000
     hidden, logits = torch.randn(1, slots, HIDDEN), torch.randn(1, slots, VOCAB)
-    generator = torch.Generator().manual_seed(3)
+    uniforms = torch.rand(draws, slots, generator=torch.Generator().manual_seed(3))
     counts: dict[tuple[int, ...], int] = {}
-    with torch.no_grad():
-        for _ in range(draws):
-            path = tuple(module.walk(hidden, logits, torch.tensor([1]), sampled_choice(temperature, [generator]))
-                         .tokens[0].tolist())
+    with torch.no_grad():  # the draws batched as rows of one walk: row b uses uniforms[b]
+        walked = module.walk(hidden.expand(draws, -1, -1), logits.expand(draws, -1, -1),
+                             torch.ones(draws, dtype=torch.long), sampled_choice(temperature, uniforms))
+        for path in map(tuple, walked.tokens.tolist()):
             counts[path] = counts.get(path, 0) + 1
         candidates = module.candidates(logits)[1][0]
         for path in itertools.product(*candidates.tolist()):
@@ -71,16 +71,16 @@ def test_sampled_walk_draws_paths_with_the_product_of_softmax_probabilities():
             assert abs(observed - expected) < 4 * (expected * (1 - expected) / draws) ** 0.5 + 1e-3, path
 
 
-def test_each_row_draws_from_its_own_generator():
+def test_a_row_draws_the_same_path_alone_and_beside_other_rows():
     module = selector(2)
-    hidden, logits = torch.randn(2, SLOTS, HIDDEN), torch.randn(2, SLOTS, VOCAB)
-    hidden[1], logits[1] = hidden[0], logits[0]
-    anchors = torch.tensor([3, 3])
+    hidden, logits = torch.randn(3, SLOTS, HIDDEN), torch.randn(3, SLOTS, VOCAB)
+    anchors, uniforms = torch.tensor([3, 7, 1]), torch.rand(3, SLOTS)
     with torch.no_grad():
-        paired = module.walk(hidden, logits, anchors, sampled_choice(1.0, [torch.Generator().manual_seed(5),
-                                                                           torch.Generator().manual_seed(5)]))
-        alone = module.walk(hidden[:1], logits[:1], anchors[:1], sampled_choice(1.0, [torch.Generator().manual_seed(5)]))
-    assert paired.tokens[0].tolist() == paired.tokens[1].tolist() == alone.tokens[0].tolist()
+        batched = module.walk(hidden, logits, anchors, sampled_choice(1.0, uniforms))
+        for row in range(3):
+            alone = module.walk(hidden[row:row + 1], logits[row:row + 1], anchors[row:row + 1],
+                                sampled_choice(1.0, uniforms[row:row + 1]))
+            assert alone.tokens[0].tolist() == batched.tokens[row].tolist()
 
 
 def test_a_replayed_token_outside_the_candidates_is_refused():
