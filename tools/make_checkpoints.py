@@ -15,7 +15,11 @@ the weights exceed the shape's shard size), and a byte-level BPE ``tokenizer.jso
 ``DFlashDraftModel`` folder written next to the target as ``OUT-dflash-{n}l``: ``config.json`` and one bf16
 ``model.safetensors`` holding ``fc``, ``hidden_norm``, ``norm`` and 11 tensors per layer, no embedding and no LM
 head; block size 16, taps from the reference formula (``qwen3-8b`` with 5 layers is exactly the
-Qwen3-8B-DFlash-b16 shape: taps [1, 9, 17, 25, 33], mask token 151669, ``fc`` 20480 -> 4096).
+Qwen3-8B-DFlash-b16 shape: taps [1, 9, 17, 25, 33], mask token 151669, ``fc`` 20480 -> 4096). With
+``--arch dflash2`` the drafters are ``DFlash2DraftModel`` folders (``OUT-dflash2-{n}l``) with the released
+DFlash2 settings (convolution kernel 2, groups of 16, selector rank 256, top-16 candidates): four convolution
+tensors per layer and the selector's codebooks (stored without ``.weight``, as released) and hidden projection,
+all random and far from the identity (docs/algorithm.md §2.10, §2.11, §5.5).
 
 Streaming: a safetensors header holds every tensor's offsets, so each shard's header is written first and
 then each tensor is generated in chunks of at most 8 Mi elements, written and freed; a writer thread overlaps
@@ -70,6 +74,8 @@ CORPUS = (ROOT / "data" / "tinystories" / "train-openings.txt",
 CHUNK_ELEMENTS = 8 * 1024 * 1024  # elements per generated chunk (16 MiB of bf16)
 GB = 1_000_000_000
 BLOCK_SIZE = 16
+DFLASH2_SETTINGS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+"""The ``dflash_config`` values of released DFlash2 drafters (``--arch dflash2``)."""
 NORM_JITTER = 0.1
 PROJECTION_GAIN = 2.0
 EMBEDDING_STD = 0.02
@@ -203,14 +209,17 @@ def generation_config(shape: Shape) -> dict[str, Any]:
             "top_p": 0.9, "transformers_version": "4.43.0.dev0"}
 
 
-def draft_config(shape: Shape, layers: int) -> dict[str, Any]:
-    """A z-lab ``DFlashDraftModel`` config.json for ``shape`` (Qwen3 body; fields copied from the target)."""
+def draft_config(shape: Shape, layers: int, arch: str = "dflash") -> dict[str, Any]:
+    """A z-lab ``DFlashDraftModel`` (or, ``arch="dflash2"``, ``DFlash2DraftModel``) config.json for ``shape`` (Qwen3
+    body; fields copied from the target)."""
     taps = default_taps(shape.layers, layers)
+    model = "DFlash2DraftModel" if arch == "dflash2" else "DFlashDraftModel"
+    dflash2 = DFLASH2_SETTINGS if arch == "dflash2" else {}
     return {
-        "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": BLOCK_SIZE,
+        "architectures": [model], "attention_bias": False, "attention_dropout": 0.0,
+        "auto_map": {"AutoModel": f"dflash.{model}"}, "block_size": BLOCK_SIZE,
         "bos_token_id": shape.bos_id,
-        "dflash_config": {"mask_token_id": shape.mask_token_id, "target_layer_ids": list(taps)},
+        "dflash_config": {"mask_token_id": shape.mask_token_id, "target_layer_ids": list(taps), **dflash2},
         "dtype": "bfloat16", "eos_token_id": shape.eos_id, "head_dim": shape.head_dim, "hidden_act": "silu",
         "hidden_size": shape.hidden, "initializer_range": 0.02, "intermediate_size": shape.intermediate,
         "layer_types": ["full_attention"] * layers, "max_position_embeddings": shape.max_position,
@@ -279,14 +288,41 @@ def target_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], Init]]:
     return tensors
 
 
-def draft_tensors(shape: Shape, layers: int) -> list[tuple[str, tuple[int, ...], Init]]:
+def _dflash2_layer_tensors(prefix: str, shape: Shape) -> list[tuple[str, tuple[int, ...], Init]]:
+    """The two convolutions of a DFlash2 layer: base taps U(-1, 1) (a real mix of the current and earlier rows, not
+    the identity) and a kernel projection giving per-position corrections of std ~0.3 on normed inputs."""
+    kernel, groups = DFLASH2_SETTINGS["conv_kernel_size"], shape.hidden // DFLASH2_SETTINGS["conv_group_size"]
+    tensors = []
+    for conv in ("attention_conv", "mlp_conv"):
+        tensors += [(f"{prefix}{conv}.base_kernel", (2, kernel, shape.hidden), Init(-1.0, 1.0)),
+                    (f"{prefix}{conv}.kernel_projection.weight", (2 * kernel * groups, shape.hidden),
+                     _scaled(0.3 / math.sqrt(shape.hidden)))]
+    return tensors
+
+
+def _selector_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], Init]]:
+    """Codebooks of std 0.35 and a hidden projection of std 1/sqrt(H): over rank 256 the pairwise term spreads about
+    as wide as the logits, so the selector often overrules the argmax."""
+    rank = DFLASH2_SETTINGS["selector_rank"]
+    return [("candidate_selector.hidden_projection.weight", (rank, shape.hidden), _scaled(1 / math.sqrt(shape.hidden))),
+            ("candidate_selector.predecessor_codebook", (shape.vocab, rank), _scaled(0.35)),
+            ("candidate_selector.successor_codebook", (shape.vocab, rank), _scaled(0.35))]
+
+
+def _scaled(std: float) -> Init:
+    return Init(-std * math.sqrt(3), std * math.sqrt(3))
+
+
+def draft_tensors(shape: Shape, layers: int, arch: str = "dflash") -> list[tuple[str, tuple[int, ...], Init]]:
     taps = len(default_taps(shape.layers, layers))
     tensors = [("fc.weight", (shape.hidden, taps * shape.hidden), _projection(taps * shape.hidden)),
                ("hidden_norm.weight", (shape.hidden,), _norm())]
     for layer in range(layers):
         tensors += _layer_tensors(f"layers.{layer}.", shape, qk_norm=True)
+        if arch == "dflash2":
+            tensors += _dflash2_layer_tensors(f"layers.{layer}.", shape)
     tensors.append(("norm.weight", (shape.hidden,), _norm()))
-    return tensors
+    return tensors + (_selector_tensors(shape) if arch == "dflash2" else [])
 
 
 def numel(dims: tuple[int, ...]) -> int:
@@ -530,17 +566,17 @@ def write_target(shape: Shape, folder: Path, seed: int) -> Written:
     return Written(folder, written, len(tensors), files, time.perf_counter() - start)
 
 
-def write_draft(shape: Shape, layers: int, folder: Path, seed: int) -> Written:
+def write_draft(shape: Shape, layers: int, folder: Path, seed: int, arch: str = "dflash") -> Written:
     start = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
-    _write_json(folder / "config.json", draft_config(shape, layers))
-    tensors = draft_tensors(shape, layers)
+    _write_json(folder / "config.json", draft_config(shape, layers, arch))
+    tensors = draft_tensors(shape, layers, arch)
     written = write_safetensors(folder / "model.safetensors", tensors, seed + 1000 + layers)
     return Written(folder, written, len(tensors), ["model.safetensors"], time.perf_counter() - start)
 
 
-def draft_folder(target_folder: Path, layers: int) -> Path:
-    return target_folder.with_name(f"{target_folder.name}-dflash-{layers}l")
+def draft_folder(target_folder: Path, layers: int, arch: str = "dflash") -> Path:
+    return target_folder.with_name(f"{target_folder.name}-{arch}-{layers}l")
 
 
 def weight_bytes(tensors: list) -> int:
@@ -563,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="target folder; drafters go to OUT-dflash-{n}l")
     parser.add_argument("--draft-layers", type=int, nargs="*", default=[1, 5],
                         help="drafter depths to write (default: 1 5; none: `--draft-layers` alone)")
+    parser.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
+                        help="drafter architecture: DFlashDraftModel (default) or DFlash2DraftModel (OUT-dflash2-{n}l)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-target", action="store_true", help="write only the drafters")
     parser.add_argument("--list", action="store_true", help="print the named shapes and their sizes")
@@ -578,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_target:
         print(write_target(shape, args.out, args.seed).line(), flush=True)
     for layers in args.draft_layers:
-        print(write_draft(shape, layers, draft_folder(args.out, layers), args.seed).line(), flush=True)
+        print(write_draft(shape, layers, draft_folder(args.out, layers, args.arch), args.seed, args.arch).line(),
+              flush=True)
     return 0
 
 

@@ -122,3 +122,26 @@ def test_published_shapes():
     shapes = {name: dims for name, dims, _ in mc.draft_tensors(mc.SHAPES["qwen3-8b"], 5)}
     assert shapes["fc.weight"] == (4096, 20480) and len(shapes) == 58
     assert not any(name.startswith(("embed", "lm_head", "model.")) for name in shapes)
+
+
+def test_dflash2_drafter_loads_here_and_in_the_reference_and_its_selector_works(written, tmp_path):
+    """``--arch dflash2`` writes a DFlash2DraftModel folder our loader and dflash 0.1.0 both load; its selector's
+    greedy path differs from the per-slot argmax (the random codebooks do real work)."""
+    from dflash_trt.formats.load import load_pair
+
+    assert mc.main(["--shape", "qwen3-tiny", "--out", str(written / "qwen3-tiny"), "--no-target", "--arch",
+                    "dflash2", "--draft-layers", "2"]) == 0
+    folder = written / "qwen3-tiny-dflash2-2l"
+    pair = load_pair(written / "qwen3-tiny", folder)
+    cfg = pair.draft.config
+    assert (cfg.architecture, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (
+        "dflash2", 2, 16, 256, 16)
+    hidden = torch.randn(4, 15, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        walk = pair.draft.propose(hidden, pair.target.lm_head.weight, torch.arange(4))
+    assert (walk.tokens != walk.candidates[..., 0]).any()
+    model = pytest.importorskip("dflash.model", reason="the reference dflash 0.1.0 is not installed")
+    reference = model.DFlash2DraftModel.from_pretrained(folder, dtype=torch.float32)
+    ours = pair.draft.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(tensor, ours[name]), name
