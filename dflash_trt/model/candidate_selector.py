@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from dflash_trt.config import DraftConfig
 
+_TINY = 1e-30  # stands in for a row's zero temperature in a division whose result that row never uses
 Chooser = Callable[[int, Tensor, Tensor], Tensor]
 """``(slot, scores [B, k], candidate ids [B, k]) -> chosen index [B]`` (long, into the k candidates)."""
 
@@ -44,9 +45,11 @@ class SelectorWalk:
     candidates: Tensor
     scores: Tensor
 
-    def probabilities(self, temperature: float) -> Tensor:
-        """The proposal distribution over the candidates, ``softmax(scores / T)`` in float32: ``[B, K, k]``."""
-        return torch.softmax(self.scores.float() / temperature, dim=-1)
+    def probabilities(self, temperature: float | Tensor) -> Tensor:
+        """The proposal distribution over the candidates, ``softmax(scores / T)`` in float32: ``[B, K, k]``
+        (``temperature``: a float, or one per row ``[B]``, each > 0)."""
+        temperatures = torch.as_tensor(temperature, dtype=torch.float32, device=self.scores.device)
+        return torch.softmax(self.scores.float() / temperatures.reshape(-1, 1, 1), dim=-1)
 
 
 def greedy_choice(slot: int, scores: Tensor, candidates: Tensor) -> Tensor:
@@ -54,15 +57,19 @@ def greedy_choice(slot: int, scores: Tensor, candidates: Tensor) -> Tensor:
     return scores.argmax(dim=-1)
 
 
-def sampled_choice(temperature: float, uniforms: Tensor) -> Chooser:
+def sampled_choice(temperature: float | Tensor, uniforms: Tensor) -> Chooser:
     """A draw from ``softmax(scores / T)`` per row by inversion of ``uniforms [B, K]`` (one per row and slot, each row's
     from its request's own generator, so a draw depends on nothing else in the batch): the first candidate whose
-    cumulative probability exceeds ``u``."""
+    cumulative probability exceeds ``u``. ``temperature`` is one float or one per row ``[B]``; a row at 0 takes the
+    best candidate (greedy rows can share a walk with sampled ones)."""
+    temperatures = torch.as_tensor(temperature, dtype=torch.float32, device=uniforms.device).expand(uniforms.shape[0])
 
     def choose(slot: int, scores: Tensor, candidates: Tensor) -> Tensor:
-        cdf = torch.softmax(scores.float() / temperature, dim=-1).cumsum(-1)  # [B, k]
+        scaled = scores.float() / temperatures.clamp_min(_TINY).unsqueeze(-1)
+        cdf = torch.softmax(scaled, dim=-1).cumsum(-1)  # [B, k]
         below = cdf <= uniforms[:, slot, None].to(cdf.dtype) * cdf[:, -1:]
-        return below.sum(-1).clamp_(max=scores.shape[-1] - 1)
+        drawn = below.sum(-1).clamp_(max=scores.shape[-1] - 1)
+        return torch.where(temperatures > 0, drawn, scores.argmax(dim=-1))
 
     return choose
 

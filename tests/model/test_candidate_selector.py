@@ -90,3 +90,17 @@ def test_a_replayed_token_outside_the_candidates_is_refused():
     with torch.no_grad(), pytest.raises(ValueError, match="not among the candidates"):
         module.walk(torch.randn(1, SLOTS, HIDDEN), logits, torch.tensor([0]),
                     replayed_choice(torch.full((1, SLOTS), outside)))
+
+
+def test_rows_at_temperature_zero_walk_greedily_beside_sampled_rows():
+    module = selector(4)
+    hidden, logits = torch.randn(2, SLOTS, HIDDEN), torch.randn(2, SLOTS, VOCAB)
+    hidden[1], logits[1] = hidden[0], logits[0]
+    anchors, uniforms = torch.tensor([2, 2]), torch.rand(2, SLOTS)
+    with torch.no_grad():
+        mixed = module.walk(hidden, logits, anchors, sampled_choice(torch.tensor([0.0, 0.7]), uniforms))
+        greedy = module.walk(hidden[:1], logits[:1], anchors[:1], greedy_choice)
+        sampled = module.walk(hidden[1:], logits[1:], anchors[1:], sampled_choice(0.7, uniforms[1:]))
+    assert mixed.tokens[0].tolist() == greedy.tokens[0].tolist()
+    assert mixed.tokens[1].tolist() == sampled.tokens[0].tolist()
+    torch.testing.assert_close(mixed.probabilities(torch.tensor([1.0, 0.7]))[1], sampled.probabilities(0.7)[0])
