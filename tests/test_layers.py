@@ -148,7 +148,8 @@ def test_every_top_level_module_has_a_layer():
 ])
 def test_the_checker_catches_an_upward_import(statement, module, line, expected):
     """The checker itself can fail: an upward, lazy, relative or string import is reported with file and line."""
-    rules = [(item, broken_rule(item)) for item in imports_of(PACKAGE.joinpath(*module.split(".")).with_suffix(".py"), statement)]
+    path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+    rules = [(item, broken_rule(item)) for item in imports_of(path, statement)]
     assert rules, statement
     item, rule = rules[-1]
     if expected is None:
@@ -163,7 +164,7 @@ def design_md_layers() -> list[tuple[str, tuple[str, ...]]]:
     text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
     section = text.split("## 5.", 1)[1].split("\n## ", 1)[0]
     rows = []
-    for match in re.finditer(r"^\|\s*(\d+)\s*\|\s*`([\w]+)`\s*\|([^|]*)\|", section, re.M):
+    for match in re.finditer(r"^\|\s*(\d+)\s*\|\s*`([\w]+)`\s*\|([^|]*)\|", section, re.MULTILINE):
         units = tuple("" if unit == "dflash_trt" else unit.removesuffix(".py").removesuffix("/")
                       for unit in re.findall(r"`([\w./]+)`", match.group(3)))
         rows.append((int(match.group(1)), match.group(2), units))

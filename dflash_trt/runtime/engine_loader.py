@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
 from dflash_trt.formats.load import DTYPES, load_draft
 from dflash_trt.formats.manifest import Manifest, artefact_file, read_manifest, rebuild_command, verify_artefacts
-from dflash_trt.errors import BackendUnavailableError, EngineFormatError, IncompatibleEngineError
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.model.target import TargetModel
 from dflash_trt.plugins.registry import available_backends, backend_spec
