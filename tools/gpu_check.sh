@@ -32,8 +32,8 @@ OUT="${OUT:-${OUT_DIR:-gpu-check-out}}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 PY="${PYTHON:-python3}"
-# seconds per part: machine, install, plugin, tests, A/B (sum 450 s, under the 8-minute promise)
-PART_LIMITS=(20 60 90 190 90)
+# seconds per part: machine, install, plugin, tests, A/B (sum 440 s, under the 8-minute promise with the checks between)
+PART_LIMITS=(15 45 60 170 150)
 BASE_MODULES="torch numpy safetensors tokenizers pydantic click rich yaml"
 TEST_PATHS="tests/gpu tests/builder/test_build_trt.py tests/plugins/tensorrt tests/runtime/test_scheduler.py tests/test_cli.py"
 INSTALL=(-m pip install -q --no-deps --no-build-isolation --ignore-requires-python -e .)  # 3.12 too: see docs/gpu.md
