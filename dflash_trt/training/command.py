@@ -25,6 +25,9 @@ Examples:
   dflash-trt train --target ./qwen3-tiny --prompts p.jsonl --num-openings 0 --mask-token-id 0 --epochs 2 --out tiny
   dflash-trt train --out drafters/taps --layers 2 --target-layer-ids 1,3 --seed 7
   dflash-trt train --out drafters/kl --init-draft drafters/stories-b16 --kl-weight 1 --lr 2e-3 --steps 3000
+  dflash-trt train --arch dflash2 --out drafters/stories-d2 --layers 3 --intermediate-size 512 --steps 1500
+  dflash-trt train --arch dflash2 --init-draft dflash_trt/assets/stories260K-dflash --layers 3 \
+      --intermediate-size 512 --target-layer-ids 1,3,4 --lr 2e-3 --steps 500 --out drafters/d2-from-d1
   dflash-trt train --target ./Qwen3-8B --out drafters/q8 --layers 5 --world-size 8 --fsdp --dry-run
 """
 
@@ -76,6 +79,8 @@ def build_train_config(**fields: object):
         return TrainConfig(**fields)
     except ValidationError as exc:
         first = exc.errors()[0]
+        if not first["loc"]:  # a rule across fields: its message names the flags and the fix
+            raise TrainingError(f"train: field `config`: {first['msg'].removeprefix('Value error, ')}") from None
         name = ".".join(str(part) for part in first["loc"]) or "config"
         raise TrainingError(f"train: field `{name}` is {first.get('input')!r}; expected {first['msg'].lower()}. "
                             f"Fix: correct --{name.split('.')[-1].replace('_', '-')} (see `dflash-trt train "
@@ -110,7 +115,18 @@ def build_train_config(**fields: object):
 @click.option("--kl-temperature", type=float, default=1.0, show_default=True,
               help="Temperature of the soft labels and the drafter's distribution in the KL.")
 @click.option("--init-draft", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Start from this drafter (fine-tuning) instead of a fresh initialisation.")
+              help="Start from this drafter (fine-tuning) instead of a fresh initialisation. With --arch dflash2 it "
+              "may be a DFlash drafter of the same shape: the DFlash2 parts then start as an exact no-op.")
+@click.option("--arch", type=click.Choice(["dflash", "dflash2"]), default="dflash", show_default=True,
+              help="Drafter architecture: DFlash, or DFlash2 (block convolutions and a candidate selector, trained "
+              "with the DFlash loss plus the selector's candidate loss).")
+@click.option("--conv-kernel-size", type=int, help="DFlash2: taps of the block convolution. Default: 2.")
+@click.option("--conv-group-size", type=int, help="DFlash2: channels per dynamic kernel; must divide the target's "
+              "hidden size. Default: 16.")
+@click.option("--selector-rank", type=int, help="DFlash2: rank of the selector's pairwise term. Default: 256.")
+@click.option("--selector-top-k", type=int, help="DFlash2: candidates per block slot. Default: 16.")
+@click.option("--selector-loss-weight", type=float, help="DFlash2: weight of the candidate loss beside the DFlash "
+              "loss. Default: 1.")
 @click.option("--num-openings", type=int, default=2000, show_default=True,
               help="Openings sampled from the target and continued greedily.")
 @click.option("--num-sampled", type=int, default=0, show_default=True,
@@ -142,10 +158,12 @@ def build_train_config(**fields: object):
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a summary.")
 def train_command(target, out, prompts, block_len, layers, intermediate_size, target_layer_ids, mask_token_id,
                   steps, epochs, seed, lr, batch_size, global_batch, max_anchors, labels, kl_weight, kl_temperature,
-                  init_draft, num_openings, num_sampled, max_new_tokens, temperature, top_p, eval_prompts,
+                  init_draft, arch, conv_kernel_size, conv_group_size, selector_rank, selector_top_k,
+                  selector_loss_weight, num_openings, num_sampled, max_new_tokens, temperature, top_p, eval_prompts,
                   eval_max_new_tokens, checkpoint_every,
                   threads, fsdp, bf16, force, resume, dry_run, world_size, as_json) -> None:
-    """Distil a DFlash drafter from a target by self-distillation (the target writes its own training data)."""
+    """Distil a DFlash or DFlash2 drafter from a target by self-distillation (the target writes its own training
+    data)."""
     import json
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -165,7 +183,10 @@ def train_command(target, out, prompts, block_len, layers, intermediate_size, ta
         global_batch=global_batch, fsdp=fsdp, bf16=bf16, eval_prompts=eval_prompts,
         eval_max_new_tokens=eval_max_new_tokens,
         max_anchors=max_anchors, labels=labels, kl_weight=kl_weight, kl_temperature=kl_temperature,
-        init_draft=init_draft, checkpoint_every=checkpoint_every, threads=threads,
+        init_draft=init_draft, checkpoint_every=checkpoint_every, threads=threads, arch=arch,
+        **{name: value for name, value in (("conv_kernel_size", conv_kernel_size), ("conv_group_size", conv_group_size),
+                                           ("selector_rank", selector_rank), ("selector_top_k", selector_top_k),
+                                           ("selector_loss_weight", selector_loss_weight)) if value is not None},
         data={"prompts": prompts, "num_openings": num_openings, "num_sampled": num_sampled,
               "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p})
     env = torchrun_env()

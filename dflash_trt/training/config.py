@@ -16,6 +16,8 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 DEFAULT_BATCH_SIZE = 8  # sequences per rank and step when neither batch size is given
+DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_weight")
+"""Fields that only a DFlash2 run takes (None: the released value, or a candidate-loss weight of 1)."""
 
 
 class DataConfig(BaseModel):
@@ -87,7 +89,22 @@ class TrainConfig(BaseModel):
                                           "drafter's distribution in the KL (the serving temperature, or 1 for "
                                           "the target's own distribution).")
     init_draft: Path | None = Field(default=None, description="Drafter folder (z-lab format) to start from instead "
-                                    "of a fresh initialisation (fine-tuning); its shape must match these flags.")
+                                    "of a fresh initialisation (fine-tuning); its shape must match these flags. With "
+                                    "arch `dflash2` it may be a DFlash drafter: the DFlash2 parts then start as an "
+                                    "exact no-op.")
+    arch: Literal["dflash", "dflash2"] = Field(default="dflash", description="Drafter architecture: `dflash` "
+                                               "(DFlashDraftModel) or `dflash2` (DFlash2DraftModel: block "
+                                               "convolutions and a candidate selector, docs/algorithm.md §2.10).")
+    conv_kernel_size: PositiveInt | None = Field(default=None, description="DFlash2: taps of the block convolution; "
+                                                 "None = 2 (released).")
+    conv_group_size: PositiveInt | None = Field(default=None, description="DFlash2: channels per dynamic kernel "
+                                                "(divides the target's hidden size); None = 16 (released).")
+    selector_rank: PositiveInt | None = Field(default=None, description="DFlash2: rank of the selector's pairwise "
+                                              "term; None = 256 (released).")
+    selector_top_k: PositiveInt | None = Field(default=None, description="DFlash2: candidates per slot; None = 16 "
+                                               "(released).")
+    selector_loss_weight: NonNegativeFloat | None = Field(
+        default=None, description="DFlash2: weight of the candidate loss beside the DFlash loss; None = 1.")
     data: DataConfig = Field(default_factory=DataConfig, description="Self-distillation data settings.")
     checkpoint_every: PositiveInt = Field(default=200, description="Steps between resumable checkpoints.")
     eval_prompts: Path | None = Field(default=None, description="Prompts for the final τ; None = the held-out "
@@ -108,6 +125,23 @@ class TrainConfig(BaseModel):
             raise ValueError(f"both steps={self.steps} and epochs={self.epochs} are set; expected one of them. "
                              "Fix: pass only --steps or only --epochs.")
         return self
+
+    @model_validator(mode="after")
+    def _check_arch(self) -> TrainConfig:
+        given = [name for name in DFLASH2_SETTINGS if getattr(self, name) is not None]
+        if self.arch == "dflash" and given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"DFlash2 settings ({flags}) with arch='dflash'; expected them only with --arch "
+                             f"dflash2. Fix: pass --arch dflash2, or drop {flags}.")
+        return self
+
+    def dflash2_overrides(self) -> dict[str, int]:
+        """The DFlash2 drafter settings given explicitly (the rest take the released defaults)."""
+        return {name: getattr(self, name) for name in DFLASH2_SETTINGS[:4] if getattr(self, name) is not None}
+
+    @property
+    def resolved_selector_loss_weight(self) -> float:
+        return 1.0 if self.selector_loss_weight is None else self.selector_loss_weight
 
     def resolved_global_batch(self, world_size: int) -> int:
         """Sequences per optimiser step: ``global_batch``, or ``batch_size`` on each of ``world_size`` ranks."""

@@ -16,7 +16,7 @@ from itertools import groupby
 import torch
 
 from dflash_trt.model.target import TargetModel
-from dflash_trt.runtime.sampling import draw, sampling_probs
+from dflash_trt.runtime.sampling import sampling_probs
 
 _BATCH_ROWS = 64  # sequences generated together; the target is tiny, the per-step overhead is Python
 
@@ -39,7 +39,9 @@ def generate_batch(target: TargetModel, prompts: torch.Tensor, max_new_tokens: i
         if temperature <= 0:
             token = last.argmax(-1)
         else:
-            token = draw(sampling_probs(last, temperature, top_p), generator)
+            # torch.multinomial with the chunk's generator: the draws every cached corpus (and the shipped
+            # drafters' data) were made with, whatever the serving loop's own sampler does
+            token = torch.multinomial(sampling_probs(last, temperature, top_p), 1, generator=generator).squeeze(-1)
         out[:, position] = token
         if position + 1 < total:
             logits, _ = target(token.view(rows, 1), position, cache)

@@ -122,7 +122,8 @@ def plan_training_memory(config: TrainConfig, world_size: int = 1) -> TrainingMe
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     draft = draft_config_for(target, num_layers=config.layers, block_len=config.block_len,
                              mask_token_id=config.mask_token_id or 0, target_layer_ids=config.target_layer_ids,
-                             intermediate_size=config.intermediate_size)
+                             intermediate_size=config.intermediate_size, architecture=config.arch,
+                             dflash2=config.dflash2_overrides())
     micro = check_batch_split(config.resolved_global_batch(world_size), config.batch_size, world_size)
     data = config.data
     sequence_len = 1 + data.opening_max_tokens + data.max_new_tokens  # BOS + the longest opening + continuation

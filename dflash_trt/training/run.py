@@ -25,12 +25,13 @@ from dflash_trt.errors import TrainingError
 from dflash_trt.model.draft_head import DraftHead
 from dflash_trt.model.target import TargetModel
 from dflash_trt.tokenizer import Llama2cTokenizer
-from dflash_trt.training.config import TrainConfig
+from dflash_trt.training.config import DFLASH2_SETTINGS, TrainConfig
 from dflash_trt.training.corpus import Corpus, checkpoint_sha256, default_cache_dir, load_or_generate_corpus
 from dflash_trt.training.draft_config import draft_config_for
 from dflash_trt.training.evaluation import EvalReport, evaluate
 from dflash_trt.training.prompts import heldout_prompts_path, read_prompts
-from dflash_trt.training.trainer import Distiller, DistillSettings, StepMetrics, new_draft_head
+from dflash_trt.training.trainer import (Distiller, DistillSettings, StepMetrics, dflash2_from_dflash,
+                                         dflash_config_of, new_draft_head)
 from dflash_trt.training.world import World, join_world, leave_world
 
 CHECKPOINT_FILE = "checkpoints/state.pt"
@@ -72,20 +73,33 @@ def settings_for(config: TrainConfig, steps: int, world: World) -> DistillSettin
                            warmup_ratio=config.warmup_ratio, min_lr_ratio=config.min_lr_ratio,
                            weight_decay=config.weight_decay, grad_clip=config.grad_clip, gamma=config.gamma,
                            labels=config.labels, kl_weight=config.kl_weight, kl_temperature=config.kl_temperature,
-                           fsdp=config.fsdp, bf16=config.bf16)
+                           selector_weight=config.resolved_selector_loss_weight, fsdp=config.fsdp, bf16=config.bf16)
 
 
 def initial_head(config: TrainConfig, draft_config: DraftConfig, target: TargetModel) -> DraftHead:
-    """A fresh drafter, or the ``init_draft`` drafter when fine-tuning (its config must equal the run's)."""
+    """A fresh drafter, or the ``init_draft`` drafter when fine-tuning (its config must equal the run's).
+
+    A DFlash2 run may start from a DFlash drafter of the same shape: its tensors are copied and the DFlash2
+    parts start as an exact no-op (``dflash2_from_dflash``), so step 0 drafts exactly what that drafter drafts."""
     if config.init_draft is None:
         return new_draft_head(draft_config, config.seed, target)
     head = load_draft_checkpoint(config.init_draft)
+    if head.config.architecture == "dflash" and draft_config.architecture == "dflash2":
+        if head.config == dflash_config_of(draft_config):
+            return dflash2_from_dflash(head, draft_config, config.seed)
+        draft_config = dflash_config_of(draft_config)  # report the DFlash fields that differ, below
+    elif head.config.architecture != draft_config.architecture:
+        raise TrainingError(f"train: field `init_draft` ({config.init_draft}) is a {head.config.architecture} "
+                            f"drafter; expected a {draft_config.architecture} one for --arch "
+                            f"{draft_config.architecture} (a DFlash2 run can also start from a DFlash drafter). "
+                            f"Fix: pass --arch {head.config.architecture}, or another --init-draft.")
     if head.config != draft_config:
         found = {k: v for k, v in head.config.model_dump().items() if v != draft_config.model_dump()[k]}
         expected = {k: draft_config.model_dump()[k] for k in found}
         raise TrainingError(f"train: field `init_draft` ({config.init_draft}) has {found}; expected {expected} from "
                             "the run's flags. Fix: pass the flags it was trained with (--layers, --block-len, "
-                            "--intermediate-size, --target-layer-ids, --mask-token-id).")
+                            "--intermediate-size, --target-layer-ids, --mask-token-id, and for DFlash2 "
+                            "--conv-kernel-size, --conv-group-size, --selector-rank, --selector-top-k).")
     return head
 
 
@@ -93,8 +107,10 @@ def _run_identity(config: TrainConfig, target_sha256: str, data_hash: str, steps
     """What a checkpoint must match to be resumed: everything that changes the result. Not the output
     folder, threads, cache, the world size, FSDP or the per-rank micro-batch: a run may resume on any
     number of ranks as long as the global batch is the same."""
-    fields = config.model_dump(mode="json", exclude={"out", "threads", "checkpoint_every", "cache_dir", "batch_size",
-                                                     "global_batch", "fsdp", "bf16"})
+    excluded = {"out", "threads", "checkpoint_every", "cache_dir", "batch_size", "global_batch", "fsdp", "bf16"}
+    if config.arch == "dflash":  # a DFlash run's identity is what it was before DFlash2 existed (old checkpoints resume)
+        excluded |= {"arch", *DFLASH2_SETTINGS}
+    fields = config.model_dump(mode="json", exclude=excluded)
     return {"config": fields, "target_sha256": target_sha256, "data_hash": data_hash, "steps": steps,
             "global_batch": global_batch}
 
@@ -161,7 +177,8 @@ def _train(config: TrainConfig, world: World, resume: bool, command: str,
     mask_token_id = resolve_mask_token_id(config, target, isinstance(tokenizer, Llama2cTokenizer))
     draft_config = draft_config_for(target.config, num_layers=config.layers, block_len=config.block_len,
                                     mask_token_id=mask_token_id, target_layer_ids=config.target_layer_ids,
-                                    intermediate_size=config.intermediate_size)
+                                    intermediate_size=config.intermediate_size, architecture=config.arch,
+                                    dflash2=config.dflash2_overrides())
     corpus = load_or_generate_corpus(target, tokenizer, config.data, config.seed, target_sha256,
                                      config.cache_dir or default_cache_dir(), world)
     global_batch = config.resolved_global_batch(world.world_size)

@@ -23,6 +23,8 @@ from dflash_trt.model.draft_head import DraftHead
 from dflash_trt.model.target import TargetModel
 from dflash_trt.training.objective import (accepted_prefix, block_labels, block_token_ids, sample_anchors,
                                            slot_weights, weighted_block_loss)
+from dflash_trt.training.selector_loss import (candidate_coverage, previous_tokens, selector_predictions,
+                                               teacher_forced_scores, weighted_candidate_loss)
 from dflash_trt.training.parallel import (check_batch_split, deferred_gradient_sync, full_state_dicts, full_weights,
                                           is_sharded, load_full_state_dicts, wrap_data_parallel)
 from dflash_trt.training.soft_labels import soft_label_logits, weighted_block_kl
@@ -46,6 +48,7 @@ class DistillSettings:
     labels: Literal["data", "target"] = "data"  # see Distiller.batch_loss
     kl_weight: float = 0.0  # share of the soft-label KL in the loss (soft_labels.py); the rest is the hard-label CE
     kl_temperature: float = 1.0  # temperature T of the soft labels and of the drafter's distribution in the KL
+    selector_weight: float = 1.0  # DFlash2: weight of the candidate loss (selector_loss.py) beside the DFlash loss
     micro_batch: int | None = None  # sequences per forward on each rank; None = batch_size / world size
     fsdp: bool = False  # shard the drafter with FSDP instead of replicating it with DDP (distributed runs)
     bf16: bool = False  # bf16 autocast for the forward passes on CUDA
@@ -53,13 +56,15 @@ class DistillSettings:
 
 @dataclass(frozen=True)
 class StepMetrics:
-    """One optimiser step: the loss (weighted CE and/or KL), the greedy τ estimate on the step's blocks, the
-    learning rate."""
+    """One optimiser step: the loss (weighted CE and/or KL, plus the candidate loss for DFlash2), the greedy τ
+    estimate on the step's blocks, the learning rate; for DFlash2 also the share of valid slots whose label was
+    among the selector's candidates (None for DFlash)."""
 
     step: int
     loss: float
     tau_estimate: float
     lr: float
+    candidate_coverage: float | None = None
 
 
 def learning_rate(step: int, settings: DistillSettings) -> float:
@@ -90,6 +95,8 @@ def new_draft_head(config: DraftConfig, seed: int, target: TargetModel | None = 
       state feeds the target's LM head, whose logit scale was trained for that norm (stories260K's
       averages 1.8; a unit norm starts the CE near 40 nats).
     """
+    if config.architecture == "dflash2":  # the DFlash drafter of the same seed, then the no-op DFlash2 parts
+        return dflash2_from_dflash(new_draft_head(dflash_config_of(config), seed, target), config, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = DraftHead(config)
@@ -103,6 +110,44 @@ def new_draft_head(config: DraftConfig, seed: int, target: TargetModel | None = 
     return head
 
 
+def dflash_config_of(config: DraftConfig) -> DraftConfig:
+    """The DFlash drafter a DFlash2 ``config`` extends: the same network without convolutions and selector."""
+    return config.model_copy(update={"architecture": "dflash", "conv_kernel_size": None, "conv_group_size": None,
+                                     "selector_rank": None, "selector_top_k": None})
+
+
+def dflash2_from_dflash(head: DraftHead, config: DraftConfig, seed: int) -> DraftHead:
+    """A DFlash2 drafter that computes exactly what the DFlash drafter ``head`` computes (docs/drafters.md).
+
+    Every DFlash tensor is copied; the block convolutions start as the identity (base tap 0 = 1, the rest and
+    the kernel projections 0: ``BlockConv.reset_parameters``), and the selector's hidden projection starts at
+    0, so the pairwise term is exactly 0 and the walk takes each slot's best logit, the DFlash argmax. The
+    codebooks start random (``N(0, 1/sqrt(rank))``, from ``seed`` on a forked RNG) so the first gradient of
+    the hidden projection is not 0. ``config`` must be ``head.config`` plus the DFlash2 fields.
+    """
+    if head.config.architecture != "dflash" or dflash_config_of(config) != head.config:
+        raise TrainingError(f"train: the drafter to extend has config {head.config.model_dump()}; expected the "
+                            f"DFlash drafter of {config.model_dump()} (the same shape without DFlash2 fields). Fix: "
+                            "pass --init-draft a DFlash drafter trained with the same --layers, --block-len, "
+                            "--intermediate-size, --target-layer-ids and --mask-token-id.")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        extended = DraftHead(config).to(head.fc.weight.device)
+        selector = extended.candidate_selector
+        assert selector is not None  # a dflash2 config always builds one
+        with torch.no_grad():
+            for codebook in (selector.predecessor_codebook, selector.successor_codebook):
+                codebook.weight.normal_(0.0, config.selector_rank ** -0.25)
+            selector.hidden_projection.weight.zero_()
+            for layer in extended.layers:
+                layer.attention_conv.reset_parameters()
+                layer.mlp_conv.reset_parameters()
+    missing, unexpected = extended.load_state_dict(head.state_dict(), strict=False)
+    new_parts = ("attention_conv.", "mlp_conv.", "candidate_selector.")
+    assert not unexpected and all(any(part in key for part in new_parts) for key in missing), (missing, unexpected)
+    return extended.to(head.fc.weight.dtype)
+
+
 class BlockLogits(nn.Module):
     """The trainable part of one step as a module: draft logits of every block slot from the target's taps.
 
@@ -114,16 +159,25 @@ class BlockLogits(nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, block_embeds: Tensor, taps: Tensor, anchors: Tensor, lm_head_weight: Tensor) -> Tensor:
-        """Shapes: block_embeds ``[b, J, B, H]``, taps ``[b, S, L*H]``, anchors ``[b, J]`` -> ``[b, J, B-1, V]``.
+    def forward(self, block_embeds: Tensor, taps: Tensor, anchors: Tensor, lm_head_weight: Tensor,
+                previous: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """Shapes: block_embeds ``[b, J, B, H]``, taps ``[b, S, L*H]``, anchors ``[b, J]``, previous ``[b, J, B-1]``
+        -> (logits ``[b, J, B-1, V]``, selection).
 
-        A target held in half precision lends its LM head as it is: the draft hidden states meet it in its
-        dtype (as under autocast) and the logits come back in the drafter's, so no float32 copy of the head
-        is made."""
+        ``selection`` is None for a DFlash drafter; for a DFlash2 one it is the selector's teacher-forced
+        (scores, candidate ids), each ``[b, J, B-1, k]``, given each slot's labelled predecessor ``previous``
+        (``selector_loss.py``). A target held in half precision lends its LM head as it is: the draft hidden
+        states meet it in its dtype (as under autocast) and the logits come back in the drafter's, so no
+        float32 copy of the head is made."""
         hidden = self.head.forward_blocks(block_embeds, taps, anchors)[:, :, 1:]
         if hidden.dtype == lm_head_weight.dtype:
-            return self.head.logits(hidden, lm_head_weight)
-        return self.head.logits(hidden.to(lm_head_weight.dtype), lm_head_weight).to(hidden.dtype)
+            logits = self.head.logits(hidden, lm_head_weight)
+        else:
+            logits = self.head.logits(hidden.to(lm_head_weight.dtype), lm_head_weight).to(hidden.dtype)
+        selector = self.head.candidate_selector
+        if selector is None or previous is None:
+            return logits, None
+        return logits, teacher_forced_scores(selector, hidden, logits, previous)
 
 
 @dataclass(frozen=True)
@@ -203,29 +257,34 @@ class Distiller:
         mine = range(self.world.rank * share, (self.world.rank + 1) * share)
         micro = [list(mine[i:i + self.micro_batch]) for i in range(0, share, self.micro_batch)]
         self.optimizer.zero_grad(set_to_none=True)
-        totals = torch.zeros(3, dtype=torch.float64)  # loss, accepted drafts, blocks
+        totals = torch.zeros(5, dtype=torch.float64)  # loss, accepted drafts, blocks, labels in candidates, slots
         for number, rows in enumerate(micro):
             with deferred_gradient_sync(self.model, defer=number < len(micro) - 1):
-                loss, weight, accepted, count = self.batch_loss([blocks.rows[i] for i in rows],
-                                                                [blocks.anchors[i] for i in rows])
+                loss, weight, accepted, count, coverage = self.batch_loss([blocks.rows[i] for i in rows],
+                                                                          [blocks.anchors[i] for i in rows])
                 # the micro-batch's share of the global weighted mean; DDP averages over ranks, hence * W
                 scaled = loss * (weight / total_weight)
                 (scaled * self.world.world_size).backward()
-            totals += torch.tensor([float(scaled.detach()), accepted, count], dtype=torch.float64)
+            totals += torch.tensor([float(scaled.detach()), accepted, count, *coverage], dtype=torch.float64)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         self.optimizer.step()
         self.step += 1
-        loss_sum, accepted_sum, block_count = self.world.all_sum(totals).tolist()
-        return StepMetrics(self.step, loss_sum, 1.0 + accepted_sum / max(block_count, 1.0), lr)
+        loss_sum, accepted_sum, block_count, found, slots = self.world.all_sum(totals).tolist()
+        coverage = found / max(slots, 1.0) if self.head.candidate_selector is not None else None
+        return StepMetrics(self.step, loss_sum, 1.0 + accepted_sum / max(block_count, 1.0), lr, coverage)
 
-    def batch_loss(self, indices: list[int], anchor_sets: list[Tensor]) -> tuple[Tensor, float, int, int]:
-        """Loss of one micro-batch: ``(weighted mean loss, its total slot weight, accepted drafts, blocks)``.
+    def batch_loss(self, indices: list[int], anchor_sets: list[Tensor]
+                   ) -> tuple[Tensor, float, int, int, tuple[int, int]]:
+        """Loss of one micro-batch: ``(weighted mean loss, its total slot weight, accepted drafts, blocks,
+        (valid slots whose label is a selector candidate, valid slots))`` (the last is (0, 0) for DFlash).
 
         Labels (docs/algorithm.md §4 "labels"): ``data`` uses the sequence's own tokens (SpecForge); ``target``
         uses the target's argmax after the true prefix, ``argmax p(· | ids[:a+k])`` for slot k (speculators'
         "verifier argmax"): exactly what greedy serving commits at slot 1, even on sampled text. With
         ``kl_weight > 0`` the loss mixes in the KL to the target's full distribution (``soft_labels.py``).
-        The accepted count is the greedy τ estimate's numerator (accepted prefix against the labels).
+        The accepted count is the greedy τ estimate's numerator (accepted prefix against the labels). A DFlash2
+        drafter adds ``selector_weight`` times the candidate loss (``selector_loss.py``), and its accepted prefix
+        is that of the selector's greedy path instead of the per-slot argmax.
         """
         cfg = self.head.config
         block_len, mask_id = cfg.block_size, cfg.mask_token_id
@@ -257,8 +316,9 @@ class Distiller:
         labels = torch.stack([block_labels(stream[r], anchors[r], block_len) for r in range(len(seqs))])
         embed = self.target.embed_tokens.weight
         block_embeds = F.embedding(blocks, embed).to(draft_dtype) * cfg.input_embedding_scale  # [b, J, B, H]
+        previous = previous_tokens(blocks[:, :, 0], labels) if self.head.candidate_selector is not None else None
         with self.autocast():
-            logits = self.model(block_embeds, taps, anchors, self.target.lm_head.weight)  # [b, J, B-1, V]
+            logits, selection = self.model(block_embeds, taps, anchors, self.target.lm_head.weight, previous)
         valid = valid_blocks.unsqueeze(-1).expand_as(labels).flatten(0, 1)  # [b*J, B-1]
         kl_weight = self.settings.kl_weight
         loss = torch.zeros((), device=self.device)
@@ -269,10 +329,17 @@ class Distiller:
             soft = torch.stack([soft_label_logits(target_logits[r], anchors[r], block_len) for r in range(len(seqs))])
             loss = loss + kl_weight * weighted_block_kl(logits.flatten(0, 1), soft.flatten(0, 1), valid, self.weights,
                                                         self.settings.kl_temperature)
-        accepted = accepted_prefix(logits.detach().argmax(-1), labels, valid.view(labels.shape))[valid_blocks]
+        predictions, coverage = logits.detach().argmax(-1), (0, 0)
+        if selection is not None:
+            scores, candidates = (t.flatten(0, 1) for t in selection)  # [b*J, B-1, k]
+            loss = loss + self.settings.selector_weight * weighted_candidate_loss(
+                scores, candidates, labels.flatten(0, 1), valid, self.weights)
+            predictions = selector_predictions(scores.detach(), candidates).view(labels.shape)
+            coverage = candidate_coverage(candidates, labels.flatten(0, 1), valid)
+        accepted = accepted_prefix(predictions, labels, valid.view(labels.shape))[valid_blocks]
         num_blocks = sum(a.shape[0] for a in anchor_sets)
         weight = num_blocks * float(self.weights.sum())
-        return loss, weight, int(accepted.sum()), num_blocks  # host-sync: metrics of the step
+        return loss, weight, int(accepted.sum()), num_blocks, coverage  # host-sync: metrics of the step
 
     def autocast(self):
         """bf16 autocast on CUDA when ``settings.bf16`` (weights and optimiser state stay float32)."""
