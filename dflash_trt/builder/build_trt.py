@@ -30,7 +30,7 @@ Profile = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 
 def graph_profiles(pair, limits: GraphLimits) -> dict[str, Profile]:
     """Optimisation profiles of ``target.onnx``, ``draft.onnx`` and ``draft_plugin.onnx`` (names and layouts as in
-    ``export_onnx``). Batched graphs read whole slot caches ``[B, layers, nkv, S, d]``: S is the session's
+    ``export_onnx``). Batched graphs read per-layer slot caches ``[B, nkv, S, d]``: S is the session's
     ``max_seq_len``, at most the build's; the plugin graph reads a prefix ``[layers, B, nkv, P, d]``."""
     t = pair.target.config
     batch, seq, block = limits.max_batch_size, limits.max_seq_len, limits.block_len
@@ -38,26 +38,24 @@ def graph_profiles(pair, limits: GraphLimits) -> dict[str, Profile]:
     def rows(opt: int, high: int) -> tuple:  # [B, n] inputs
         return ((1, 1), (1, opt), (batch, high))
 
-    def slot_cache(layers: int, heads: int, dim: int) -> tuple:
-        return ((1, layers, heads, 1, dim), (1, layers, heads, seq, dim), (batch, layers, heads, seq, dim))
+    def slot_caches(layers: int, heads: int, dim: int) -> Profile:  # key_cache.{l}, value_cache.{l}
+        shapes = ((1, heads, 1, dim), (1, heads, seq, dim), (batch, heads, seq, dim))
+        return {f"{kind}_cache.{layer}": shapes for kind in ("key", "value") for layer in range(layers)}
 
     lengths = ((1,), (1,), (batch,))
     live = ((1,), (seq // 2,), (seq,))  # cache_positions: the committed rows a forward reads
-    target_cache = slot_cache(t.num_layers, t.num_kv_heads, t.head_dim)
     tokens = rows(max(block, 1), seq)
     profiles: dict[str, Profile] = {"target": {"tokens": tokens, "positions": tokens, "cache_positions": live,
                                                "cache_lengths": lengths,
-                                               "key_cache": target_cache, "value_cache": target_cache}}
+                                               **slot_caches(t.num_layers, t.num_kv_heads, t.head_dim)}}
     if pair.draft is not None:
         d = pair.draft.config
         width = d.num_taps * d.hidden_size
         blocks = ((1, 2), (1, block), (batch, block))
-        draft_cache = slot_cache(d.num_layers, d.num_kv_heads, d.head_dim)
         profiles["draft"] = {"block": blocks, "block_positions": blocks,
                              "taps": ((1, 1, width), (1, block, width), (batch, seq, width)),
                              "context_positions": rows(block, seq), "cache_positions": live,
-                             "cache_lengths": lengths,
-                             "key_cache": draft_cache, "value_cache": draft_cache}
+                             "cache_lengths": lengths, **slot_caches(d.num_layers, d.num_kv_heads, d.head_dim)}
         n, heads, dim = d.num_layers, d.num_kv_heads, d.head_dim
         past = ((n, 1, heads, 0, dim), (n, 1, heads, seq // 2, dim), (n, batch, heads, seq - 1, dim))
         profiles["draft_plugin"] = {"block": blocks, "taps": ((1, 1, width), (1, block, width), (batch, seq, width)),

@@ -9,14 +9,14 @@ machine (TensorRT plans without a GPU, serving a TRT-LLM bundle without tensorrt
 ``manifest.checks`` with the command that completes it on a GPU machine; ``manifest.pending`` (which makes
 ``dflash-trt build`` exit 2) is for what the build could not write at all.
 
-Layout (format version 4)::
+Layout (format version 5)::
 
     manifest.json
     torch/target.safetensors, torch/draft/{config.json,model.safetensors}   --backend torch
     onnx/target.safetensors, onnx/draft/{config.json,model.safetensors}     onnxruntime, tensorrt (and the torch
                                                                             backend of those engines)
     tokenizer/<tok512.bin | tokenizer.json>
-    onnx/target_step.onnx, onnx/draft_step.onnx | draft.onnx | draft_plugin.onnx  onnxruntime
+    onnx/target_step.onnx, onnx/draft.onnx | draft_plugin.onnx               onnxruntime
     onnx/target.onnx, onnx/draft.onnx, onnx/draft_plugin.onnx                tensorrt
     tensorrt/target.plan, tensorrt/draft.plan, tensorrt/libdflash_plugins.so tensorrt (GPU)
     quant/target/                                                           --quant (ModelOpt export)
@@ -48,8 +48,8 @@ import dflash_trt
 from dflash_trt.builder.bundle_trtllm import TrtLlmBuildOptions
 from dflash_trt.formats.load import embedded_draft_path, embedded_target_path
 from dflash_trt.formats.manifest import (
-    FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, Manifest, Quantization, QuantName,
-    SourceRecord, TokenizerRecord, sha256_file, tool_versions, write_manifest)
+    FORMAT, FORMAT_VERSION, Artefact, BackendName, BuildSettings, DFlashSettings, GraphVariants, Manifest,
+    Quantization, QuantName, SourceRecord, TokenizerRecord, sha256_file, tool_versions, write_manifest)
 from dflash_trt.builder.staging import STAGING_MARKER, check_replaceable, exit_on_termination, publish, stage
 from dflash_trt.errors import ConfigError, EngineFormatError, RequestError, validation_error
 from dflash_trt.model.pair import ModelPair
@@ -251,7 +251,7 @@ def _role_of(relative: str) -> str:
     table = {"torch/target.safetensors": "target_weights", "onnx/target.safetensors": "target_weights",
              "onnx/target.onnx": "target_graph",
              "onnx/target_step.onnx": "target_graph",
-             "onnx/draft.onnx": "draft_graph", "onnx/draft_step.onnx": "draft_graph",
+             "onnx/draft.onnx": "draft_graph",
              "onnx/draft_plugin.onnx": "draft_graph_plugin",
              "tensorrt/target.plan": "target_plan", "tensorrt/draft.plan": "draft_plan",
              "trtllm/llm_api_options.yaml": "trtllm_config", "quantization.json": "quant_config"}
@@ -456,10 +456,13 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     checks: dict[str, str] = {}
     plugins = ()
     tensorrt_stamp = None
-    drafter_graph = None
+    drafter_graph = variants = None
     if config.backend in ("onnxruntime", "tensorrt"):
         drafter_graph = config.drafter_graph
         plugins = _export_graphs(pair, work, limits, config.backend, drafter_graph, step)
+        variants = GraphVariants(target="in_place" if config.backend == "onnxruntime" else "rows",
+                                 drafter=None if pair.draft is None else
+                                 "plugin" if drafter_graph == "plugin" else "batched")
         stored_dtype = _dtype_name(work / "onnx" / "target.safetensors")
         backends.append("onnxruntime")
     if config.backend == "tensorrt":
@@ -498,7 +501,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
                                 block_len=block_len, dtype=stored_dtype, drafter_graph=drafter_graph,
                                 opset=opset if drafter_graph else None, command=config.command()),
             artefacts=_artefacts(work), plugins=plugins, tools=tool_versions(),
-            tensorrt=tensorrt_stamp, checks=checks, pending=tuple(pending))
+            tensorrt=tensorrt_stamp, graphs=variants, checks=checks, pending=tuple(pending))
         write_manifest(work, manifest)
         return manifest
 
@@ -506,16 +509,10 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
 
 
 def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_graph: str, step) -> tuple:
-    """The target graph plus the drafter graph(s): ONNX Runtime gets ``target_step.onnx`` and, for the standard
-    variant, ``draft_step.onnx`` (both update their KV caches in place; ``draft.onnx`` for a drafter with sliding-window
-    layers) or the plugin variant; TensorRT gets ``target.onnx`` and both drafter variants."""
-    from dflash_trt.builder.export_onnx import (
-        export_draft,
-        export_step_draft,
-        export_step_target,
-        export_target,
-        in_place_drafter,
-    )
+    """The target graph plus the drafter graph(s): ONNX Runtime gets ``target_step.onnx`` (which updates its KV caches
+    in place) and ``draft.onnx`` (every drafting row in one call) or the plugin variant; TensorRT gets ``target.onnx``
+    and both drafter variants."""
+    from dflash_trt.builder.export_onnx import export_draft, export_step_target, export_target
     from dflash_trt.formats.manifest import PluginStamp
     from dflash_trt.plugins.schema import BLOCK_ATTENTION
 
@@ -531,11 +528,6 @@ def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_gr
     if pair.draft is None:
         return ()
     variants = ["standard", "plugin"] if backend == "tensorrt" else [drafter_graph]
-    if backend == "onnxruntime" and drafter_graph == "standard" and in_place_drafter(pair.draft):
-        step("export drafter ONNX (standard)", lambda: export_step_draft(pair.draft, pair.target,
-                                                                         onnx_dir / "draft_step.onnx", limits,
-                                                                         draft_weights))
-        return ()
     for variant in variants:
         name = "draft_plugin.onnx" if variant == "plugin" else "draft.onnx"
         step(f"export drafter ONNX ({variant})", lambda name=name, variant=variant: export_draft(

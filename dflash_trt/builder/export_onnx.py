@@ -14,26 +14,25 @@ in a forward to the graph without copying them. Padding tokens sit at position `
   steps, verification blocks, prompts) share one call (``plugins/onnxruntime/backend.py``; the kernel's contract
   is in docs/environment.md §4.4).
 * ``target.onnx`` (TensorRT engines, opset 20): ``tokens [B, T]``, ``positions [B, T]`` int64,
-  ``cache_positions [K]`` (the committed rows read), ``cache_lengths [B]`` int64, ``key_cache``/``value_cache
-  [B, N, nkv, S, d]`` -> ``logits [B, T, V]``, ``taps [B, T, L*H]`` (outputs of the tapped layers in
-  ``target_layer_ids`` order), ``new_keys``/``new_values [B, N, nkv, T, d]`` (the runtime writes them at each
-  row's positions).
-* ``draft_step.onnx`` (ONNX Runtime engines whose drafter has full-attention layers only; one request per call):
-  ``block``/``block_positions [1, Bc]`` int64, ``taps [1, C, L*H]`` (the new context rows), ``context_positions
-  [1, C]``, ``seqlens_k [1]`` int32 (``start + Bc - 1``), ``total_length []`` int32, ``key_cache.{l}``/
-  ``value_cache.{l} [1, nkv, S, d]`` -> ``draft_logits [1, Bc-1, V]``, ``present_key.{l}``/``present_value.{l}``:
-  each layer's attention is one ``GroupQueryAttention`` node over ``[context ; block]`` (bidirectional or causal as
-  the layer is) that writes their K/V after the committed rows, in place; the runtime commits up to the anchor.
-* ``draft.onnx`` (drafters with sliding-window layers, and TensorRT engines): ``block [B, Bc]`` int64 (anchor +
-  masks), ``block_positions [B, Bc]``, ``taps [B, C, L*H]`` (new context rows, right-aligned),
-  ``context_positions [B, C]`` (padding ``S``), ``cache_positions [K]``, ``cache_lengths [B]``,
-  ``key_cache``/``value_cache [B, n, nkv, S, d]`` -> ``draft_logits [B, Bc-1, V]``, ``context_keys``/
-  ``context_values [B, n, nkv, C, d]`` (the context rows to append; block K/V never survive a cycle,
-  docs/algorithm.md). Every drafter graph contains the target's embedding and LM head.
+  ``cache_positions [K]`` (the committed rows read), ``cache_lengths [B]`` int64, ``key_cache.{l}``/
+  ``value_cache.{l} [B, nkv, S, d]`` per layer -> ``logits [B, T, V]``, ``taps [B, T, L*H]`` (outputs of the tapped
+  layers in ``target_layer_ids`` order), ``new_keys``/``new_values [B, N, nkv, T, d]`` (the runtime writes them at
+  each row's positions).
+* ``draft.onnx`` (every engine with a drafter; opset 23 with single-node RoPE and attention for ONNX Runtime, 20
+  for TensorRT): every drafting row in one call. ``block [B, Bc]`` int64 (anchor + masks), ``block_positions
+  [B, Bc]``, ``taps [B, C, L*H]`` (each row's new context rows, right-aligned), ``context_positions [B, C]``
+  (padding ``S``), ``cache_positions [K]``, ``cache_lengths [B]`` (each row's committed rows),
+  ``key_cache.{l}``/``value_cache.{l} [B, nkv, S, d]`` per layer -> ``draft_logits [B, Bc-1, V]``,
+  ``context_keys``/``context_values [B, n, nkv, C, d]`` (the context rows to append; block K/V never survive a
+  cycle, docs/algorithm.md). Per-row masks give each row its own context length, causal or bidirectional and
+  sliding-window layers alike. Every drafter graph contains the target's embedding and LM head.
+
+The cache inputs of every graph are per layer, ``[B, nkv, S, d]``: views of the runtime's one layer-major slot
+cache (``model/kv_cache.py``), contiguous for a run of consecutive slots.
 
 All are traced from the model's own modules (``TargetModel.run_layers``, ``DraftHead.run_layers`` and its
 visibility rule): only the K/V store is the graph's own (:class:`_InPlaceCache`, :class:`_BoundCache`,
-:class:`_BoundKeys`, :class:`_InPlaceDraftKeys`).
+:class:`_BoundKeys`).
 
 ``draft_plugin.onnx`` is the TensorRT variant: attention is one ``DFlashBlockAttention`` node per layer
 (schema ``dflash::block_attention``), whose rows share one context length, so it keeps the prefix I/O
@@ -66,10 +65,7 @@ OPSET = 20
 OPSET_ONNXRUNTIME = 23
 """Opset of the graphs ONNX Runtime runs: RMSNormalization, Attention and RotaryEmbedding are single nodes there
 (a third of the standard-op graph's nodes; on a small model a forward costs per node, docs/benchmarks.md)."""
-TARGET_INPUTS = ("tokens", "positions", "cache_positions", "cache_lengths", "key_cache", "value_cache")
 TARGET_OUTPUTS = ("logits", "taps", "new_keys", "new_values")
-DRAFT_INPUTS = ("block", "block_positions", "taps", "context_positions", "cache_positions", "cache_lengths",
-                "key_cache", "value_cache")
 DRAFT_OUTPUTS = ("draft_logits", "context_keys", "context_values")
 PLUGIN_DRAFT_INPUTS = ("block", "taps", "past_keys", "past_values")
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; larger graphs keep weights beside them
@@ -88,10 +84,10 @@ class GraphLimits:
 
 class _BoundCache:
     """Stands in for ``StaticKVCache`` in a graph: ``write`` returns ``[live cache rows ; new rows]`` for every
-    row and remembers the new rows as graph outputs. Shapes: caches ``[B, N, nkv, S, d]``; the first ``K``
+    row and remembers the new rows as graph outputs. Shapes: caches ``[B, nkv, S, d]`` per layer; the first ``K``
     rows of each are read (``K`` = the size of ``cache_positions``)."""
 
-    def __init__(self, key_cache: Tensor, value_cache: Tensor, live: int) -> None:
+    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], live: int) -> None:
         self.key_cache, self.value_cache, self.live = key_cache, value_cache, live
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
@@ -100,8 +96,8 @@ class _BoundCache:
               ) -> tuple[Tensor, Tensor]:
         self.new_keys.append(keys)  # [B, nkv, T, d]
         self.new_values.append(values)
-        return (torch.cat([self.key_cache[:, layer, :, :self.live], keys], dim=2),
-                torch.cat([self.value_cache[:, layer, :, :self.live], values], dim=2))
+        return (torch.cat([self.key_cache[layer][:, :, :self.live], keys], dim=2),
+                torch.cat([self.value_cache[layer][:, :, :self.live], values], dim=2))
 
     def outputs(self) -> tuple[Tensor, Tensor]:
         """``[B, N, nkv, T, d]`` each."""
@@ -125,14 +121,15 @@ class TargetGraph(nn.Module):
         self.tap_ids = tap_ids
 
     def forward(self, tokens: Tensor, positions: Tensor, cache_positions: Tensor, cache_lengths: Tensor,
-                key_cache: Tensor, value_cache: Tensor) -> tuple[Tensor, ...]:
-        slots = key_cache.shape[3]  # S: padding tokens sit at position S
+                *caches: Tensor) -> tuple[Tensor, ...]:
+        layers = self.model.config.num_layers
+        slots = caches[0].shape[2]  # S: padding tokens sit at position S
         queries = positions.unsqueeze(-1)  # [B, T, 1]
         # a query sees the committed cache rows and the new rows at or before it; padding queries see all
         committed = (cache_positions.view(1, 1, -1) < cache_lengths.view(-1, 1, 1)).expand(-1, tokens.shape[1], -1)
         mask = _additive((torch.cat([committed, positions.unsqueeze(1) <= queries], dim=-1) | (queries >= slots)
                           ).unsqueeze(1))  # [B, 1, T, K+T]
-        cache = _BoundCache(key_cache, value_cache, cache_positions.shape[0])
+        cache = _BoundCache(list(caches[:layers]), list(caches[layers:]), cache_positions.shape[0])
         logits, taps = self.model.run_layers(tokens, positions, cache, None, mask, positions, self.tap_ids)
         return (logits,) + ((taps,) if self.tap_ids else ()) + cache.outputs()
 
@@ -218,12 +215,12 @@ class _BoundKeys:
     """A draft layer's keys in the batched graph: ``[live cache rows ; new context ; block]`` under ``masks``.
 
     The new context rows are kept as graph outputs (the runtime appends them to its cache; block K/V
-    never survive a cycle). Shapes: caches ``[B, n, nkv, S, d]`` (first ``live`` rows read); masks
+    never survive a cycle). Shapes: caches ``[B, nkv, S, d]`` per layer (first ``live`` rows read); masks
     ``[B, 1, Bc, K+C+Bc]`` (additive).
     """
 
-    def __init__(self, key_cache: Tensor, value_cache: Tensor, live: int, masks: dict[tuple[bool, bool], Tensor]
-                 ) -> None:
+    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], live: int,
+                 masks: dict[tuple[bool, bool], Tensor]) -> None:
         self.key_cache, self.value_cache, self.live, self.masks = key_cache, value_cache, live, masks
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
@@ -232,8 +229,8 @@ class _BoundKeys:
                  block_v: Tensor) -> Tensor:
         self.new_keys.append(context_k)  # [B, nkv, C, d]
         self.new_values.append(context_v)
-        keys = torch.cat([self.key_cache[:, layer, :, :self.live], context_k, block_k], dim=2)
-        values = torch.cat([self.value_cache[:, layer, :, :self.live], context_v, block_v], dim=2)
+        keys = torch.cat([self.key_cache[layer][:, :, :self.live], context_k, block_k], dim=2)
+        values = torch.cat([self.value_cache[layer][:, :, :self.live], context_v, block_v], dim=2)
         return attend(q, keys, values, self.masks[attn.mask_kind])
 
 
@@ -242,8 +239,9 @@ class _FusedBoundKeys(_BoundKeys):
     23): the layer's projections stay ``[B, rows, heads*d]``, the bound cache rows are the attention's past. Shapes:
     cos/sin ``[P, d/2]``; positions ``[B, C]`` (context) and ``[B, T]`` (block)."""
 
-    def __init__(self, key_cache: Tensor, value_cache: Tensor, live: int, masks: dict[tuple[bool, bool], Tensor],
-                 context_positions: Tensor, block_positions: Tensor, cos: Tensor, sin: Tensor) -> None:
+    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], live: int,
+                 masks: dict[tuple[bool, bool], Tensor], context_positions: Tensor, block_positions: Tensor,
+                 cos: Tensor, sin: Tensor) -> None:
         super().__init__(key_cache, value_cache, live, masks)
         self.block_positions, self.cos, self.sin = block_positions, cos, sin
         self.positions = torch.cat([context_positions, block_positions], dim=1)  # [B, C+T]
@@ -253,7 +251,7 @@ class _FusedBoundKeys(_BoundKeys):
         out, present_keys, present_values, _ = torch.onnx.ops.attention(
             _rotate(q, self.block_positions, heads, self.cos, self.sin),
             _rotate(k, self.positions, kv_heads, self.cos, self.sin), v, self.masks[attn.mask_kind],
-            self.key_cache[:, layer, :, :self.live], self.value_cache[:, layer, :, :self.live],
+            self.key_cache[layer][:, :, :self.live], self.value_cache[layer][:, :, :self.live],
             q_num_heads=heads, kv_num_heads=kv_heads)
         # present = [past ; context ; block], [B, nkv, K+C+T, d]: the context rows are the ones to keep (the
         # kernel needs its present output when given a past, docs/environment.md §4.4)
@@ -278,7 +276,8 @@ class _DrafterGraph(nn.Module):
 
 
 class DraftGraph(_DrafterGraph):
-    """``DraftHead`` plus the borrowed embedding and LM head as a function of (block, context, bound caches).
+    """``DraftHead`` plus the borrowed embedding and LM head as a function of (block, context, bound caches): every
+    drafting row in one call, each with its own context length, committed rows and masks.
 
     The network is ``DraftHead.run_layers`` and the masks are ``model.block_attention.visible``: only the
     key source (bound caches) is the graph's own.
@@ -290,10 +289,11 @@ class DraftGraph(_DrafterGraph):
         _register_rope_tables(self, head.rotary)
 
     def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
-                cache_positions: Tensor, cache_lengths: Tensor, key_cache: Tensor, value_cache: Tensor
-                ) -> tuple[Tensor, ...]:
+                cache_positions: Tensor, cache_lengths: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
         head = self.head
-        slots = key_cache.shape[3]
+        layers = head.config.num_layers
+        key_cache, value_cache = list(caches[:layers]), list(caches[layers:])
+        slots = key_cache[0].shape[2]
         queries = block_positions.unsqueeze(-1)  # [B, Bc, 1]
         cache_rows = cache_positions.view(1, 1, -1).expand(block.shape[0], -1, -1)
         key_positions = torch.cat([cache_rows, context_positions.unsqueeze(1), block_positions.unsqueeze(1)], -1)
@@ -315,60 +315,6 @@ class DraftGraph(_DrafterGraph):
                                  head.rotary.lookup(context_positions, embeds.dtype), keys)
         logits = head.logits(hidden[:, 1:], self.lm_head)
         return logits, torch.stack(keys.new_keys, dim=1), torch.stack(keys.new_values, dim=1)
-
-
-class _InPlaceDraftKeys:
-    """The drafter's key source in ``draft_step.onnx`` (ONNX Runtime, one request per call): each layer's attention is
-    one ``com.microsoft.GroupQueryAttention`` node over the rows ``[new context ; block]``. The node writes their K/V
-    into the layer's cache buffer after the committed rows, in place as in the target graph, and attends over the
-    buffer, bidirectional or causal as the layer is. The context rows' queries are zeros and their outputs are
-    dropped (only their K/V matter); the runtime commits the cache up to the anchor, so the block rows written after
-    it are overwritten by the next call. Shapes: caches ``[1, nkv, S, d]`` per layer; positions ``[1, c]`` and
-    ``[1, T]``; ``seqlens_k [1]`` int32 (``start + T - 1``); ``total_length []`` int32."""
-
-    def __init__(self, keys: list[Tensor], values: list[Tensor], context_positions: Tensor, block_positions: Tensor,
-                 lengths: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor) -> None:
-        self.keys, self.values, (self.seqlens_k, self.total_length) = keys, values, lengths
-        self.block_positions, self.cos, self.sin = block_positions, cos, sin
-        self.positions = torch.cat([context_positions, block_positions], dim=1)  # [1, c+T]
-        self.present: list[Tensor] = []
-
-    def attend(self, layer: int, attn, q: Tensor, k: Tensor, v: Tensor, context: int) -> Tensor:
-        heads, kv_heads = attn.num_heads, attn.num_kv_heads
-        keys = _rotate(k, self.positions, kv_heads, self.cos, self.sin)
-        queries = torch.cat([q.new_zeros(q.shape[0], context, q.shape[2]),
-                             _rotate(q, self.block_positions, heads, self.cos, self.sin)], dim=1)
-        out, present_key, present_value = _group_query_attention(queries, keys, v, self.keys[layer],
-                                                                 self.values[layer], self.seqlens_k,
-                                                                 self.total_length, heads, kv_heads, attn.causal)
-        self.present += [present_key, present_value]
-        return out[:, context:]  # [1, T, nq*d]
-
-
-class DraftStepGraph(_DrafterGraph):
-    """The ONNX Runtime drafter graph: ``DraftHead.run_layers`` plus the borrowed embedding and LM head over
-    per-layer cache buffers updated in place (:class:`_InPlaceDraftKeys`), one request per call. Drafters with
-    sliding-window layers keep :class:`DraftGraph` (the kernel's window is causal only)."""
-
-    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
-        super().__init__(head, embed_weight, lm_head_weight)
-        _register_rope_tables(self, head.rotary)
-
-    def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
-                seqlens_k: Tensor, total_length: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
-        head = self.head
-        layers = head.config.num_layers
-        keys = _InPlaceDraftKeys(list(caches[:layers]), list(caches[layers:]), context_positions, block_positions,
-                                 (seqlens_k, total_length), self.rope_cos, self.rope_sin)
-        embeds = self.embed_block(block)
-        hidden = head.run_layers(embeds, taps, None, None, keys)  # the key source rotates
-        present = keys.present
-        return (head.logits(hidden[:, 1:], self.lm_head),) + tuple(present[0::2]) + tuple(present[1::2])
-
-
-def in_place_drafter(head: DraftHead) -> bool:
-    """Whether ``draft_step.onnx`` can express this drafter (every layer full attention, causal or not)."""
-    return not any(head.config.layer_sliding)
 
 
 class PluginDraftGraph(_DrafterGraph):
@@ -640,16 +586,34 @@ def export_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path, limi
     cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
     example_tokens, example_live, example_cache = 3, 5, 11  # distinct sizes: no dim is specialised to another
     live = Dim("live", min=1, max=limits.max_seq_len)
-    cache_shape = (_EXAMPLE_BATCH, cfg.num_layers, cfg.num_kv_heads, example_cache, cfg.head_dim)
+    caches = _example_caches(cfg.num_layers, cfg.num_kv_heads, example_cache, cfg.head_dim, dtype)
     args = (torch.randint(0, cfg.vocab_size, (_EXAMPLE_BATCH, example_tokens)),
             torch.arange(5, 5 + example_tokens).repeat(_EXAMPLE_BATCH, 1), torch.arange(example_live),
-            torch.full((_EXAMPLE_BATCH,), 4), torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
-    cache_dims = {0: batch, 3: cache_len}
-    outputs = TARGET_OUTPUTS if tap_ids else tuple(n for n in TARGET_OUTPUTS if n != "taps")
-    return _export(TargetGraph(model, tuple(tap_ids)), args, TARGET_INPUTS, outputs,
+            torch.full((_EXAMPLE_BATCH,), 4)) + caches
+    inputs, outputs = target_graph_io(cfg.num_layers, bool(tap_ids))
+    return _export(TargetGraph(model, tuple(tap_ids)), args, inputs, outputs,
                    {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "cache_positions": {0: live},
-                    "cache_lengths": {0: batch},
-                    "key_cache": cache_dims, "value_cache": cache_dims}, path, {}, limits.opset, weights)
+                    "cache_lengths": {0: batch}, "caches": tuple({0: batch, 2: cache_len} for _ in caches)},
+                   path, {}, limits.opset, weights)
+
+
+def _example_caches(layers: int, kv_heads: int, rows: int, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """Example per-layer caches ``[B, nkv, rows, d]``: keys of every layer, then values."""
+    return tuple(torch.zeros(_EXAMPLE_BATCH, kv_heads, rows, head_dim, dtype=dtype) for _ in range(2 * layers))
+
+
+def target_graph_io(num_layers: int, with_taps: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Input and output names of ``target.onnx``."""
+    inputs = ("tokens", "positions", "cache_positions", "cache_lengths") + _per_layer(num_layers, "key_cache",
+                                                                                      "value_cache")
+    return inputs, TARGET_OUTPUTS if with_taps else tuple(n for n in TARGET_OUTPUTS if n != "taps")
+
+
+def draft_graph_io(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Input and output names of ``draft.onnx``."""
+    inputs = (("block", "block_positions", "taps", "context_positions", "cache_positions", "cache_lengths")
+              + _per_layer(num_layers, "key_cache", "value_cache"))
+    return inputs, DRAFT_OUTPUTS
 
 
 def _per_layer(num_layers: int, *names: str) -> tuple[str, ...]:
@@ -691,8 +655,9 @@ def export_step_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path,
 
 def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits, plugin: bool,
                  weights: Mapping[str, StoredTensor] | None = None) -> Path:
-    """Write the drafter graph (float32): ``draft.onnx`` (batched, standard ops) or, with ``plugin``,
-    ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O)."""
+    """Write the drafter graph (float32): ``draft.onnx`` (every drafting row in one call, standard ops; RoPE and
+    attention as single nodes at ``OPSET_ONNXRUNTIME``) or, with ``plugin``, ``draft_plugin.onnx``
+    (``DFlashBlockAttention`` nodes, prefix I/O)."""
     if plugin:
         return _export_plugin_draft(head, target, path, limits, weights)
     from torch.export import Dim
@@ -706,55 +671,19 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
     block = Dim("block", min=2, max=max(example_block, limits.block_len))
     context = Dim("context", min=1, max=limits.max_seq_len)
     cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
-    cache_shape = (_EXAMPLE_BATCH, cfg.num_layers, cfg.num_kv_heads, example_cache, cfg.head_dim)
+    caches = _example_caches(cfg.num_layers, cfg.num_kv_heads, example_cache, cfg.head_dim, dtype)
     args = (torch.randint(0, cfg.vocab_size, (_EXAMPLE_BATCH, example_block)),
             torch.arange(example_context, example_context + example_block).repeat(_EXAMPLE_BATCH, 1),
             torch.zeros(_EXAMPLE_BATCH, example_context, cfg.num_taps * cfg.hidden_size, dtype=dtype),
             torch.arange(example_context).repeat(_EXAMPLE_BATCH, 1), torch.arange(example_live),
-            torch.full((_EXAMPLE_BATCH,), 3),
-            torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
-    cache_dims = {0: batch, 3: cache_len}
+            torch.full((_EXAMPLE_BATCH,), 3)) + caches
     graph = DraftGraph(head, target.embed_tokens.weight, target.lm_head.weight, fused=limits.opset >= OPSET_ONNXRUNTIME)
-    return _export(graph, args, DRAFT_INPUTS, DRAFT_OUTPUTS,
+    inputs, outputs = draft_graph_io(cfg.num_layers)
+    return _export(graph, args, inputs, outputs,
                    {"block": {0: batch, 1: block}, "block_positions": {0: batch, 1: block},
                     "taps": {0: batch, 1: context}, "context_positions": {0: batch, 1: context},
-                    "cache_positions": {0: live}, "cache_lengths": {0: batch}, "key_cache": cache_dims,
-                    "value_cache": cache_dims}, path, {}, limits.opset, weights)
-
-
-def draft_step_graph_io(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Input and output names of ``draft_step.onnx``."""
-    inputs = (("block", "block_positions", "taps", "context_positions", "seqlens_k", "total_length")
-              + _per_layer(num_layers, "key_cache", "value_cache"))
-    return inputs, ("draft_logits",) + _per_layer(num_layers, "present_key", "present_value")
-
-
-def export_step_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits,
-                      weights: Mapping[str, StoredTensor] | None = None) -> Path:
-    """Write ``draft_step.onnx`` (float32, ONNX Runtime only, one request per call; see :func:`in_place_drafter`)."""
-    from torch.export import Dim
-
-    cfg = head.config
-    dtype = head.fc.weight.dtype
-    example_block = 2 if limits.block_len == 2 else 3
-    example_context, example_cache = 5, 13
-    start = 9
-    block = Dim("block", min=2, max=max(example_block, limits.block_len))
-    context = Dim("context", min=1, max=limits.max_seq_len)
-    cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
-    caches = tuple(torch.zeros(1, cfg.num_kv_heads, example_cache, cfg.head_dim, dtype=dtype)
-                   for _ in range(2 * cfg.num_layers))
-    args = (torch.randint(0, cfg.vocab_size, (1, example_block)), torch.arange(start, start + example_block)[None],
-            torch.zeros(1, example_context, cfg.num_taps * cfg.hidden_size, dtype=dtype),
-            torch.arange(start - example_context, start)[None],
-            torch.tensor([start + example_block - 1], dtype=torch.int32),
-            torch.tensor(start + example_block, dtype=torch.int32)) + caches
-    inputs, outputs = draft_step_graph_io(cfg.num_layers)
-    dynamic = {"block": {1: block}, "block_positions": {1: block}, "taps": {1: context},
-               "context_positions": {1: context}, "seqlens_k": {}, "total_length": {},
-               "caches": tuple({2: cache_len} for _ in caches)}
-    return _export(DraftStepGraph(head, target.embed_tokens.weight, target.lm_head.weight), args, inputs, outputs,
-                   dynamic, path, {}, OPSET_ONNXRUNTIME, weights)
+                    "cache_positions": {0: live}, "cache_lengths": {0: batch},
+                    "caches": tuple({0: batch, 2: cache_len} for _ in caches)}, path, {}, limits.opset, weights)
 
 
 def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits,

@@ -28,12 +28,16 @@ from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import EngineFormatError, IncompatibleEngineError
 
 FORMAT = "dflash-trt-engine"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """3: ONNX Runtime engines hold ``onnx/target_step.onnx`` (the in-place target graph) instead of ``target.onnx``.
 4: ``build.dtype`` names the dtype the float weights are stored in (a TensorRT-LLM bundle links the checkpoint's own
-bfloat16/float16 files), and a ``--backend trtllm`` folder holds the bundle alone (no torch weights)."""
-SUPPORTED_FORMAT_VERSIONS = (2, 3, 4)
-"""Version 2 folders still load: the onnxruntime backend also runs their ``target.onnx``."""
+bfloat16/float16 files), and a ``--backend trtllm`` folder holds the bundle alone (no torch weights).
+5: ``graphs`` declares how the runtime drives the graphs (:class:`GraphVariants`); ``draft.onnx`` serves every
+drafting row in one call and every graph takes per-layer cache inputs (the one layer-major slot cache)."""
+SUPPORTED_FORMAT_VERSIONS = (2, 3, 4, 5)
+"""Older folders still load: the torch backend runs their weights; their graphs are refused (:func:`graph_variants`)."""
+GRAPH_FORMAT_VERSION = 5
+"""The first format whose graphs the onnxruntime and tensorrt backends run."""
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 20
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
@@ -134,6 +138,20 @@ class BuildSettings(BaseModel):
     command: str = Field(description="The command that rebuilds this folder.")
 
 
+class GraphVariants(BaseModel):
+    """Which graphs an engine holds and how the runtime drives them, declared at build time (docs/design.md §3.2):
+    the runtime never infers a variant from a graph's input names."""
+
+    model_config = _FROZEN
+    target: Literal["in_place", "rows"] = Field(
+        description="in_place: onnx/target_step.onnx, whose GroupQueryAttention nodes extend per-layer caches in place "
+                    "(rows right-padded, query_seqlens); rows: onnx/target.onnx, which returns each row's new K/V.")
+    drafter: Literal["batched", "plugin"] | None = Field(
+        description="batched: onnx/draft.onnx, every drafting row in one call with its own context length and masks; "
+                    "plugin: onnx/draft_plugin.onnx (DFlashBlockAttention nodes, prefix I/O, one row per call); "
+                    "null without a drafter.")
+
+
 class DFlashSettings(BaseModel):
     model_config = _FROZEN
     block_len: PositiveInt = Field(description="The drafter's trained block length B (checkpoint `block_size`).")
@@ -169,6 +187,8 @@ class Manifest(BaseModel):
     plugins: tuple[PluginStamp, ...] = Field(description="Custom ops the graphs/plans use.")
     tools: dict[str, str | None] = Field(description="Versions of python, torch, onnx, onnxruntime, tensorrt, ...")
     tensorrt: TensorRTStamp | None = Field(default=None, description="Present when TensorRT plans were built.")
+    graphs: GraphVariants | None = Field(default=None, description="The graphs ONNX Runtime runs and how (format 5; "
+                                         "null without graphs).")
     checks: dict[str, str] = Field(default_factory=dict, description="Build-time checks and their outcome.")
     pending: tuple[str, ...] = Field(default=(), description="What this build could not write here, and why.")
 
@@ -185,6 +205,30 @@ class Manifest(BaseModel):
 
     def artefact(self, role: str) -> Artefact | None:
         return next((a for a in self.artefacts if a.role == role), None)
+
+
+def graphs_refusal(manifest: Manifest, folder: Path | None = None) -> str | None:
+    """Why the onnxruntime and tensorrt backends cannot run ``manifest``'s graphs (None when they can): a folder
+    without graphs, or with graphs of a format before :data:`GRAPH_FORMAT_VERSION` (they take another cache layout
+    and draft one request per call)."""
+    rebuild = manifest.build.command if folder is None else rebuild_command(manifest.build.command, folder)
+    if manifest.format_version < GRAPH_FORMAT_VERSION and manifest.build.backend in ("onnxruntime", "tensorrt"):
+        return (f"field `format_version` is {manifest.format_version}; its graphs draft one request per call over "
+                f"another cache layout, and this dflash-trt runs graphs of format {GRAPH_FORMAT_VERSION} or later (the "
+                f"torch backend still runs this folder's weights). Fix: rebuild it with `{rebuild}`")
+    if manifest.graphs is None:
+        return (f"field `graphs` is null (a --backend {manifest.build.backend} build); expected the graphs of an "
+                "onnxruntime or tensorrt build. Fix: build one with `dflash-trt build --backend onnxruntime --out "
+                "engines/NAME` (plus the same --target and --draft)")
+    return None
+
+
+def graph_variants(manifest: Manifest, folder: Path) -> GraphVariants:
+    """The graph variants ``manifest`` declares; refuses what :func:`graphs_refusal` names."""
+    refusal = graphs_refusal(manifest, folder)
+    if refusal is not None:
+        raise IncompatibleEngineError(f"{folder}: {refusal}.")
+    return manifest.graphs
 
 
 def sha256_file(path: Path) -> str:

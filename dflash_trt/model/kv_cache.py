@@ -107,9 +107,17 @@ class KVCachePlan:
 
 
 class StaticKVCache:
-    """Per-layer K/V buffers ``[layers, batch, nkv, max_len + 1, d]`` plus committed lengths per slot.
+    """The slot cache of every backend: layer-major K/V buffers ``[layers, max_batch, nkv, max_len + extra_rows, d]``
+    plus committed lengths per slot, on any device.
 
-    Position ``max_len`` (``pad_position``) is scratch: padding rows of a batched forward write there.
+    The torch networks write it themselves (:meth:`write`); the graphs of the ONNX Runtime and TensorRT backends get
+    per-layer views ``[B, nkv, S, d]`` of it (:meth:`bound`: a run of consecutive slots is a view, other sets are
+    gathered into buffers kept for it), either extending them in place or returning new rows that :meth:`store`
+    writes. The ONNX Runtime backend reads the same buffers as numpy arrays (CPU tensors share their memory).
+    Position ``max_len`` (``pad_position``) is where padding rows sit: with ``extra_rows=1`` a scratch row that the
+    torch networks' padding rows write; graphs treat every position ``>= S`` (their buffers' length) as padding and
+    need no scratch row. ``gather`` and ``prefix`` allocate the buffers :meth:`bound` and :meth:`prefix` use
+    (``CacheLayout`` counts them: 2 + 2 per-slot buffers, 2 of one slot's size).
     """
 
     def __init__(
@@ -121,13 +129,62 @@ class StaticKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        extra_rows: int = 1,
+        gather: bool = False,
+        prefix: bool = False,
     ) -> None:
-        shape = (num_layers, max_batch, num_kv_heads, max_len + 1, head_dim)
+        shape = (num_layers, max_batch, num_kv_heads, max_len + extra_rows, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        empty = torch.zeros(0, dtype=dtype, device=device)
+        self.gather_keys = torch.zeros(shape, dtype=dtype, device=device) if gather else empty
+        self.gather_values = torch.zeros(shape, dtype=dtype, device=device) if gather else empty
+        one_slot = num_layers * num_kv_heads * (max_len + extra_rows) * head_dim
+        self.prefix_keys = torch.zeros(one_slot, dtype=dtype, device=device) if prefix else empty
+        self.prefix_values = torch.zeros(one_slot, dtype=dtype, device=device) if prefix else empty
         self.max_len = max_len
         self.pad_position = max_len
         self.lengths = [0] * max_batch
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    def views(self, first: int, count: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Per layer, slots ``first .. first+count-1`` as ``[count, nkv, S, d]`` views (contiguous): what an in-place
+        graph reads and extends."""
+        end = first + count
+        return ([self.keys[layer, first:end] for layer in range(self.num_layers)],
+                [self.values[layer, first:end] for layer in range(self.num_layers)])
+
+    def bound(self, slots: list[int], live: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Per layer, the caches of ``slots`` as ``[B, nkv, S, d]``, of which a graph reads rows ``< live``: views when
+        the slots are consecutive, else those rows gathered into the gather buffers (rows past ``live`` stale)."""
+        first, batch = slots[0], len(slots)
+        if slots == list(range(first, first + batch)):
+            return self.views(first, batch)
+        index = torch.tensor(slots, device=self.keys.device)
+        for source, target in ((self.keys, self.gather_keys), (self.values, self.gather_values)):
+            for layer in range(self.num_layers):
+                torch.index_select(source[layer, :, :, :live], 0, index, out=target[layer, :batch, :, :live])
+        return ([self.gather_keys[layer, :batch] for layer in range(self.num_layers)],
+                [self.gather_values[layer, :batch] for layer in range(self.num_layers)])
+
+    def store(self, slot: int, start: int, keys: Tensor, values: Tensor) -> None:
+        """Write new rows ``[layers, nkv, n, d]`` at positions ``start ..`` of ``slot``; commit them."""
+        end = start + keys.shape[2]
+        self.keys[:, slot, :, start:end] = keys
+        self.values[:, slot, :, start:end] = values
+        self.lengths[slot] = end
+
+    def prefix(self, slot: int, rows: int) -> tuple[Tensor, Tensor]:
+        """Rows ``< rows`` of ``slot`` copied contiguously as ``[layers, 1, nkv, rows, d]`` (a plugin graph's input)."""
+        source_keys, source_values = self.keys[:, slot, :, :rows], self.values[:, slot, :, :rows]
+        keys = self.prefix_keys[:source_keys.numel()].view(source_keys.shape)
+        values = self.prefix_values[:source_values.numel()].view(source_values.shape)
+        keys.copy_(source_keys)
+        values.copy_(source_values)
+        return keys.unsqueeze(1), values.unsqueeze(1)
 
     def write(self, layer: int, start: int | TargetLayout | DraftLayout, keys: Tensor, values: Tensor,
               positions: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -47,11 +47,13 @@ def _onnxruntime_backend(pair, max_seq_len, engine=None, max_batch=1):
                                       "checkpoints. Fix: `dflash-trt build --backend onnxruntime --out engines/NAME`, "
                                       "then Session.load('engines/NAME') / `dflash-trt run --engine engines/NAME`.")
     check_engine_batch(engine, max_batch)
+    from dflash_trt.formats.manifest import graph_variants
     from dflash_trt.plugins.onnxruntime.backend import OrtBackend
 
+    graphs = graph_variants(engine.manifest, engine.folder)  # declared at build time, never read off the graphs
     return OrtBackend(pair.target.config, pair.draft.config if pair.draft is not None else None,
                       engine.target_graph, engine.draft_graph if pair.draft is not None else None, max_seq_len,
-                      engine.manifest.quantization.mode, max_batch)
+                      engine.manifest.quantization.mode, max_batch, graphs=graphs)
 
 
 def _tensorrt_backend(pair, max_seq_len, engine=None, max_batch=1):
@@ -77,13 +79,22 @@ def check_engine_batch(engine, max_batch: int) -> None:
 def _onnxruntime_blocker(manifest) -> str | None:
     if find_spec("onnxruntime") is None:
         return "the onnxruntime package is not installed (pip install 'dflash-trt[onnx]')"
+    if manifest is not None:
+        from dflash_trt.formats.manifest import graphs_refusal
+
+        return graphs_refusal(manifest)
     return None
 
 
 def _tensorrt_blocker(manifest) -> str | None:
     from dflash_trt.plugins.tensorrt.device import tensorrt_blocker
 
-    return tensorrt_blocker(manifest.tensorrt if manifest is not None else None)
+    reason = tensorrt_blocker(manifest.tensorrt if manifest is not None else None)
+    if reason is None and manifest is not None:
+        from dflash_trt.formats.manifest import graphs_refusal
+
+        return graphs_refusal(manifest)
+    return reason
 
 
 #: a ``--backend trtllm`` folder is an LLM-API bundle: TensorRT-LLM runs the whole loop, Session none of it

@@ -10,7 +10,7 @@ import pytest
 from engine_builds import built_engine
 
 from dflash_trt.builder.build_trt import graph_profiles, network_flags
-from dflash_trt.builder.export_onnx import DRAFT_INPUTS, PLUGIN_DRAFT_INPUTS, TARGET_INPUTS, GraphLimits
+from dflash_trt.builder.export_onnx import PLUGIN_DRAFT_INPUTS, GraphLimits, draft_graph_io, target_graph_io
 from dflash_trt.plugins.tensorrt.device import gpu_info, tensorrt_version
 
 
@@ -30,11 +30,12 @@ def test_profiles_cover_one_row_up_to_the_build_limits(tmp_path_factory):
 
     pair = Session.load(built_engine(tmp_path_factory.getbasetemp(), "torch-only", backend="torch"), "torch").pair
     profiles = graph_profiles(pair, GraphLimits(max_batch_size=2, max_seq_len=128, block_len=4))
-    assert set(profiles["target"]) == set(TARGET_INPUTS)  # a profile per graph input, as exported
-    assert set(profiles["draft"]) == set(DRAFT_INPUTS) and set(profiles["draft_plugin"]) == set(PLUGIN_DRAFT_INPUTS)
+    assert set(profiles["target"]) == set(target_graph_io(5, True)[0])  # a profile per graph input, as exported
+    assert set(profiles["draft"]) == set(draft_graph_io(2)[0])
+    assert set(profiles["draft_plugin"]) == set(PLUGIN_DRAFT_INPUTS)
     assert profiles["target"]["cache_positions"] == ((1,), (64,), (128,))
-    low, _, high = profiles["target"]["key_cache"]
-    assert low == (1, 5, 4, 1, 8) and high == (2, 5, 4, 128, 8)  # slot caches [B, layers, nkv, S, d]
+    low, _, high = profiles["target"]["key_cache.4"]
+    assert low == (1, 4, 1, 8) and high == (2, 4, 128, 8)  # per-layer slot caches [B, nkv, S, d]
     assert profiles["target"]["tokens"] == ((1, 1), (1, 4), (2, 128))
     assert profiles["draft"]["block"] == ((1, 2), (1, 4), (2, 4))
     assert profiles["draft"]["taps"][2] == (2, 128, 128)

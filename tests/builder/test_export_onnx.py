@@ -9,8 +9,7 @@ onnx = pytest.importorskip("onnx")
 from engine_builds import built_engine  # noqa: E402
 
 from dflash_trt.builder.export_onnx import (  # noqa: E402
-    DRAFT_INPUTS, DRAFT_OUTPUTS, OPSET, OPSET_ONNXRUNTIME, TARGET_INPUTS, TARGET_OUTPUTS, draft_step_graph_io,
-    step_graph_io)
+    OPSET, OPSET_ONNXRUNTIME, draft_graph_io, step_graph_io, target_graph_io)
 from dflash_trt.plugins.onnx_nodes import plugin_nodes, to_ort_domain  # noqa: E402
 
 
@@ -45,10 +44,10 @@ def test_onnxruntime_target_graph_reads_and_extends_per_layer_caches_in_place(en
 def test_tensorrt_target_graph_has_cache_inputs_and_tap_outputs(tmp_path_factory):
     engine = built_engine(tmp_path_factory.getbasetemp(), "trt", backend="tensorrt")
     model, inputs, outputs = _io(engine / "onnx" / "target.onnx")
-    assert tuple(inputs) == TARGET_INPUTS and tuple(outputs) == TARGET_OUTPUTS
+    assert (tuple(inputs), tuple(outputs)) == target_graph_io(5, with_taps=True)
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
-    # the bound cache: [batch, layers, nkv, S, d], stories260K: 5 layers, nkv 4, head_dim 8
-    assert dims["key_cache"] == dims["value_cache"] == ["batch", 5, 4, "cache_len", 8]
+    # the bound cache, per layer: [batch, nkv, S, d], stories260K: 5 layers, nkv 4, head_dim 8
+    assert dims["key_cache.0"] == dims["value_cache.4"] == ["batch", 4, "cache_len", 8]
     assert dims["tokens"] == dims["positions"] == ["batch", "tokens"] and dims["cache_lengths"] == ["batch"]
     assert dims["cache_positions"] == ["live"]  # the committed rows a forward reads, not the whole buffer
     onnx.checker.check_model(model, full_check=True)
@@ -58,10 +57,10 @@ def test_tensorrt_target_graph_has_cache_inputs_and_tap_outputs(tmp_path_factory
 
 def test_standard_drafter_graph_uses_only_standard_ops(engine):
     model, inputs, outputs = _io(engine / "onnx" / "draft.onnx")
-    assert tuple(inputs) == DRAFT_INPUTS and tuple(outputs) == DRAFT_OUTPUTS
+    assert (tuple(inputs), tuple(outputs)) == draft_graph_io(2)
     assert all(node.domain in ("", "ai.onnx") for node in model.graph.node)
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
-    assert dims["key_cache"] == ["batch", 2, 4, "cache_len", 8]  # the 2-layer test drafter
+    assert dims["key_cache.1"] == ["batch", 4, "cache_len", 8]  # per layer, the 2-layer test drafter
     assert dims["taps"][:2] == dims["context_positions"] == ["batch", "context"]
     ops = [node.op_type for node in model.graph.node]  # ONNX Runtime engines: opset-23 single-node RoPE/attention
     # per layer one K and one V projection of [context ; block], one rotation of the queries and one of the keys
@@ -69,23 +68,21 @@ def test_standard_drafter_graph_uses_only_standard_ops(engine):
 
 
 @pytest.mark.parametrize("is_causal", [None, True], ids=["bidirectional", "causal"])
-def test_full_attention_drafter_gets_the_in_place_graph(tmp_path_factory, is_causal):
-    """A drafter without sliding-window layers gets ``draft_step.onnx``: one request per call, each layer one
-    GroupQueryAttention node (bidirectional or causal as the layer is) extending its cache buffer in place."""
-    folder = built_engine(tmp_path_factory.getbasetemp(), f"ort-in-place-{is_causal}", backend="onnxruntime",
+def test_full_attention_drafter_gets_the_batched_graph_and_the_manifest_declares_it(tmp_path_factory, is_causal):
+    """Every drafter, sliding-window layers or not, gets ``draft.onnx`` (every drafting row in one call), and the
+    manifest declares the graphs the runtime drives (format 5): nothing is read off their input names."""
+    from dflash_trt.formats.manifest import FORMAT_VERSION, read_manifest
+
+    folder = built_engine(tmp_path_factory.getbasetemp(), f"ort-full-{is_causal}", backend="onnxruntime",
                           drafter={"sliding": False, "is_causal": is_causal})
-    assert not (folder / "onnx" / "draft.onnx").exists()
-    model, inputs, outputs = _io(folder / "onnx" / "draft_step.onnx")
-    assert (tuple(inputs), tuple(outputs)) == draft_step_graph_io(2)
+    assert not (folder / "onnx" / "draft_step.onnx").exists()
+    model, inputs, outputs = _io(folder / "onnx" / "draft.onnx")
+    assert (tuple(inputs), tuple(outputs)) == draft_graph_io(2)
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
-    assert dims["key_cache.1"] == [1, 4, "cache_len", 8] and dims["taps"][:2] == [1, "context"]
-    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
-    assert [(n.input[3], n.output[1]) for n in attention] == [("key_cache.0", "present_key.0"),
-                                                             ("key_cache.1", "present_key.1")]
-    causal = {onnx.helper.get_attribute_value(a) for n in attention for a in n.attribute if a.name == "causal"}
-    assert causal == {1 if is_causal else 0}
-    readers = {node.op_type for node in model.graph.node if any("_cache." in name for name in node.input)}
-    assert readers <= {"GroupQueryAttention", "Shape"}
+    assert dims["taps"][:2] == dims["block"][:1] + ["context"] == ["batch", "context"]
+    manifest = read_manifest(folder)
+    assert manifest.format_version == FORMAT_VERSION == 5
+    assert (manifest.graphs.target, manifest.graphs.drafter) == ("in_place", "batched")
 
 
 def test_plugin_drafter_graph_has_one_node_per_layer_with_trt_plugin_attributes(tmp_path_factory):
@@ -101,3 +98,4 @@ def test_plugin_drafter_graph_has_one_node_per_layer_with_trt_plugin_attributes(
     assert {n.domain for n in plugin_nodes(to_ort_domain(model))} == {"ai.onnx.contrib"}
     manifest = read_manifest(folder)
     assert manifest.build.drafter_graph == "plugin" and manifest.plugins[0].name == "dflash::block_attention"
+    assert manifest.graphs.drafter == "plugin"

@@ -130,19 +130,19 @@ def test_an_onnxruntime_engine_stores_each_weight_once_in_the_checkpoint_dtype(h
     assert manifest.build.dtype == "bfloat16"
     assert {p.name for p in out.rglob("*") if p.is_file()} == {
         "manifest.json", "target.safetensors", "model.safetensors", "config.json", "target_step.onnx",
-        "draft_step.onnx"}  # no external-data copy, no float32 torch weights (and no tokenizer in this folder)
+        "draft.onnx"}  # no external-data copy, no float32 torch weights (and no tokenizer in this folder)
     locations = {}
-    for graph in ("target_step.onnx", "draft_step.onnx"):
+    for graph in ("target_step.onnx", "draft.onnx"):
         model = onnx.load(str(out / "onnx" / graph), load_external_data=False)
         for init in model.graph.initializer:
             if init.data_location == onnx.TensorProto.EXTERNAL:
                 locations[(graph, init.name)] = {e.key: e.value for e in init.external_data}["location"]
                 assert init.data_type == onnx.TensorProto.BFLOAT16, init.name
-    assert locations[("draft_step.onnx", "embed")] == "target.safetensors"
-    assert locations[("draft_step.onnx", "lm_head")] == "target.safetensors"
-    assert sum(1 for (graph, _), where in locations.items() if graph == "draft_step.onnx"
+    assert locations[("draft.onnx", "embed")] == "target.safetensors"
+    assert locations[("draft.onnx", "lm_head")] == "target.safetensors"
+    assert sum(1 for (graph, _), where in locations.items() if graph == "draft.onnx"
                and where == "target.safetensors") == 2  # only the borrowed pair
-    draft_nodes = onnx.load(str(out / "onnx" / "draft_step.onnx"), load_external_data=False).graph.node
+    draft_nodes = onnx.load(str(out / "onnx" / "draft.onnx"), load_external_data=False).graph.node
     assert any(n.op_type == "Gather" and n.input[0] == "embed" for n in draft_nodes)  # rows gathered in bf16
     assert not any(n.op_type == "Cast" and n.input[0] == "embed" for n in draft_nodes)  # the table never converted
     prompt, params = [1, 403, 407, 261, 378], SamplingParams(max_new_tokens=24)

@@ -1,14 +1,15 @@
 """The ``tensorrt`` backend: the engine's TensorRT plans over device-resident slot caches (GPU only).
 
 The plans are built from the same batched ONNX graphs as the ``onnxruntime`` backend (``builder/export_onnx.py``
-describes their I/O). Each network keeps one static KV cache on the GPU, ``[max_batch, layers, nkv, S, d]``
-(one slot per request), allocated at setup with every input and gather buffer (docs/style.md R5). A forward binds
-the cache rows of its requests in place (a contiguous run of slots is a view; other sets are gathered into a
-preallocated buffer), runs ``execute_async_v3`` on the current CUDA stream and writes back only the K/V rows
-the plan returns. Logits, taps and drafts stay on the GPU (``device``): the backend makes no
-device-to-host copy, so the runtime's acceptance readback is the step's one host transfer. A drafter plan
-built from ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O) runs row by row, since its
-rows must share one context length.
+describes their I/O). Each network keeps the one slot cache (``model/kv_cache.py``: layer-major ``[layers,
+max_batch, nkv, S, d]``, one slot per request) on the GPU, allocated at setup with every input and gather buffer
+(docs/style.md R5). A forward binds the cache rows of its requests in place (per layer, a contiguous run of slots
+is a view; other sets are gathered into a preallocated buffer), runs ``execute_async_v3`` on the current CUDA
+stream and writes back only the K/V rows the plan returns: ``plugins/graph_rows.py``, shared with the
+``onnxruntime`` backend. Every drafting row shares one draft call. Logits, taps and drafts stay on the GPU
+(``device``): the backend makes no device-to-host copy, so the runtime's acceptance readback is the step's one host
+transfer. A drafter plan built from ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O; the folder's
+manifest says which) runs row by row, since its rows must share one context length.
 
 Order of operations is a safety rule: the GPU is checked *before* ``tensorrt`` is imported or any runtime
 object exists, because deserialising without a GPU crashes the process.
@@ -18,29 +19,22 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError
-from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan
-from dflash_trt.plugins.interface import DraftRow, TargetRow
+from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, StaticKVCache
+from dflash_trt.plugins.graph_rows import Executor, GraphRows
+from dflash_trt.plugins.interface import DraftRow, TargetRow, host_tokens
 from dflash_trt.model.memory import require_fit
 
 
-class Plan(Protocol):
-    """Executes one network: named input tensors (on ``device``) -> named output tensors (on ``device``).
-
-    Outputs may be views of buffers the next ``run`` overwrites."""
-
-    input_names: frozenset[str]
-
-    def run(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]: ...
-
-
 class TensorRTPlan:
-    """One deserialised plan, its execution context and output buffers at the profile's maximum shapes."""
+    """One deserialised plan, its execution context and output buffers at the profile's maximum shapes (an
+    ``Executor``: its outputs are views of those buffers)."""
+
+    reuses_outputs = True
 
     def __init__(self, runtime, path: Path, max_shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
         import tensorrt as trt
@@ -75,57 +69,18 @@ class TensorRTPlan:
         return results
 
 
-class _SlotCache:
-    """One network's KV cache ``[max_batch, layers, nkv, S, d]``, its gather buffers and committed lengths."""
-
-    def __init__(self, max_batch: int, layers: int, kv_heads: int, max_len: int, head_dim: int,
-                 device: torch.device) -> None:
-        shape = (max_batch, layers, kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, device=device)
-        self.values = torch.zeros(shape, device=device)
-        self.gather_keys = torch.zeros(shape, device=device)  # rows of non-contiguous slots are gathered here
-        self.gather_values = torch.zeros(shape, device=device)
-        self.prefix_keys = torch.zeros(layers * max_len * kv_heads * head_dim, device=device)  # plugin graph input
-        self.prefix_values = torch.zeros_like(self.prefix_keys)
-        self.lengths = [0] * max_batch
-
-    def bound(self, slots: list[int]) -> tuple[Tensor, Tensor]:
-        """The caches of ``slots`` as ``[B, layers, nkv, S, d]``: a view when the slots are consecutive."""
-        first, batch = slots[0], len(slots)
-        if slots == list(range(first, first + batch)):
-            return self.keys[first:first + batch], self.values[first:first + batch]
-        index = torch.tensor(slots, device=self.keys.device)
-        torch.index_select(self.keys, 0, index, out=self.gather_keys[:batch])
-        torch.index_select(self.values, 0, index, out=self.gather_values[:batch])
-        return self.gather_keys[:batch], self.gather_values[:batch]
-
-    def prefix(self, slot: int, rows: int) -> tuple[Tensor, Tensor]:
-        """Rows ``< rows`` of ``slot`` copied contiguously as ``[layers, 1, nkv, rows, d]`` (plugin graph I/O)."""
-        source_keys, source_values = self.keys[slot, :, :, :rows], self.values[slot, :, :, :rows]
-        keys = self.prefix_keys[:source_keys.numel()].view(source_keys.shape)
-        values = self.prefix_values[:source_values.numel()].view(source_values.shape)
-        keys.copy_(source_keys)
-        values.copy_(source_values)
-        return keys.unsqueeze(1), values.unsqueeze(1)
-
-    def store(self, slot: int, start: int, keys: Tensor, values: Tensor) -> None:
-        """Write new rows ``[layers, nkv, n, d]`` at positions ``start ..`` of ``slot``; commit them."""
-        end = start + keys.shape[2]
-        self.keys[slot, :, :, start:end] = keys
-        self.values[slot, :, :, start:end] = values
-        self.lengths[slot] = end
-
-
 class TensorRTBackend:
     """Target and drafter plans over device slot caches, ``max_batch`` slots (the batched protocol).
 
     ``plans`` (target, drafter) replaces the engine's TensorRT plans with other executors of the same I/O on
-    ``device``; without it the plans are deserialised from ``engine`` on ``cuda:0``."""
+    ``device`` and ``plugin_drafter`` says whether the drafter's is the plugin-node graph; without them the plans are
+    deserialised from ``engine`` on ``cuda:0`` and its manifest says which drafter graph the plan was built from."""
 
     name = "tensorrt"
 
     def __init__(self, pair, engine, max_seq_len: int, max_batch: int = 1,
-                 plans: tuple[Plan, Plan | None] | None = None, device: str = "cuda:0") -> None:
+                 plans: tuple[Executor, Executor | None] | None = None, device: str = "cuda:0",
+                 plugin_drafter: bool = False) -> None:
         if plans is None:
             from dflash_trt.plugins.tensorrt.device import gpu_info, needs_message
 
@@ -139,36 +94,35 @@ class TensorRTBackend:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         if plans is None:
-            plans = self._load_plans(engine)
+            plans, plugin_drafter = self._load_plans(engine)
         self._target, self._draft = plans
+        self.plugin_drafter = plugin_drafter
         device_ = torch.device(self.device)
-        t = self.target_config
-        # _SlotCache: K, V and their gather buffers per slot, plus the plugin graph's prefix K and V (not per slot)
+        t, d = self.target_config, self.draft_config if self._draft is not None else None
+        # the slot caches: K, V and their gather buffers per slot, plus the plugin graph's prefix K and V (one slot's)
         layouts = [None if config is None else CacheLayout.of(config, self.dtype, extra_rows=0, per_slot_buffers=4,
-                                                              shared_buffers=2)
-                   for config in (t, self.draft_config if self._draft is not None else None)]
+                                                              shared_buffers=2 if prefix else 0)
+                   for config, prefix in ((t, False), (d, plugin_drafter))]
         dtype = str(self.dtype).removeprefix("torch.")
         self.kv_cache = KVCachePlan(layouts[0], layouts[1], max_batch, max_seq_len, dtype, self.device)
         require_fit(self.kv_cache)  # before allocating, with the numbers (docs/style.md R5)
-        self._target_cache = _SlotCache(max_batch, t.num_layers, t.num_kv_heads, max_seq_len, t.head_dim, device_)
+        self._target_cache = StaticKVCache(t.num_layers, max_batch, t.num_kv_heads, max_seq_len, t.head_dim,
+                                           self.dtype, device_, extra_rows=0, gather=True)
         self._draft_cache = None
-        if self.draft_config is not None and self._draft is not None:
-            d = self.draft_config
-            self._draft_cache = _SlotCache(max_batch, d.num_layers, d.num_kv_heads, max_seq_len, d.head_dim, device_)
-        width = max(1, self._tap_width())  # [L*H] of the drafter's context features
+        if d is not None:
+            self._draft_cache = StaticKVCache(d.num_layers, max_batch, d.num_kv_heads, max_seq_len, d.head_dim,
+                                              self.dtype, device_, extra_rows=0, gather=True, prefix=plugin_drafter)
         # inputs, assembled on the host each step and copied in (one small host-to-device copy per input)
-        self._tokens = torch.zeros(max_batch, max_seq_len, dtype=torch.int64, device=device_)
-        self._positions = torch.zeros_like(self._tokens)
-        self._context_positions = torch.zeros_like(self._tokens)
-        self._lengths = torch.zeros(max_batch, dtype=torch.int64, device=device_)
-        # cache_positions: the first K rows of this arange are the live cache rows a forward reads (a view, no copy)
-        self._cache_rows = torch.arange(max_seq_len, dtype=torch.int64, device=device_)
-        self._taps = torch.zeros(max_batch, max_seq_len, width, device=device_)
+        self._rows = GraphRows(max_batch, max_seq_len, self._tap_width(), device_)
 
-    def _load_plans(self, engine) -> tuple[Plan, Plan | None]:
+    def _load_plans(self, engine) -> tuple[tuple[Executor, Executor | None], bool]:
+        """The plans and whether the drafter's was built from the plugin-node graph (the manifest says)."""
         import tensorrt as trt
 
+        from dflash_trt.formats.manifest import graph_variants
+
         manifest = engine.manifest
+        graph_variants(manifest, engine.folder)  # refuses graphs of an older format before anything is loaded
         self._logger = trt.Logger(trt.Logger.WARNING)
         if manifest.tensorrt.plugin_library:
             library = engine.folder / manifest.tensorrt.plugin_library
@@ -182,12 +136,13 @@ class TensorRTBackend:
             "new_keys": (batch, t.num_layers, t.num_kv_heads, seq, t.head_dim),
             "new_values": (batch, t.num_layers, t.num_kv_heads, seq, t.head_dim)}, torch.device(self.device))
         if d is None:
-            return target, None
+            return (target, None), False
         context = (batch, d.num_layers, d.num_kv_heads, seq, d.head_dim)
         draft = TensorRTPlan(self._runtime, engine.path_of("draft_plan"), {
             "draft_logits": (batch, block, t.vocab_size), "context_keys": context, "context_values": context},
             torch.device(self.device))
-        return target, draft
+        # build_trt builds the drafter's plan from draft_plugin.onnx exactly when it built the plugin library
+        return (target, draft), manifest.tensorrt.plugin_library is not None
 
     def _tap_width(self) -> int:
         d = self.draft_config
@@ -201,96 +156,18 @@ class TensorRTBackend:
     def crop_target_slot(self, slot: int, length: int) -> None:
         self._target_cache.lengths[slot] = min(self._target_cache.lengths[slot], length)
 
-    def _stage(self, buffer: Tensor, host: Tensor) -> Tensor:
-        """``host`` copied into the leading corner of the preallocated device ``buffer``."""
-        view = buffer[tuple(slice(0, n) for n in host.shape)]
-        view.copy_(host, non_blocking=True)
-        return view
-
-    def _live_rows(self, lengths) -> Tensor:
-        """``[K]``: the cache rows a forward reads, up to the longest committed prefix of its rows (at least one)."""
-        return self._cache_rows[:max(1, max(lengths))]
-
     @torch.inference_mode()
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None;
         on ``device``."""
-        cache = self._target_cache
-        width = max(len(r.tokens) for r in rows)
-        tokens = torch.zeros(len(rows), width, dtype=torch.int64)
-        positions = torch.full((len(rows), width), self.max_seq_len, dtype=torch.int64)  # padding past every row
-        for index, row in enumerate(rows):
-            assert row.start <= cache.lengths[row.slot], "target cache gap"
-            assert row.start + len(row.tokens) <= self.max_seq_len, "target cache overflow"
-            tokens[index, :len(row.tokens)] = torch.tensor(row.tokens)
-            positions[index, :len(row.tokens)] = torch.arange(row.start, row.start + len(row.tokens))
-        keys, values = cache.bound([r.slot for r in rows])
-        outputs = self._target.run({
-            "tokens": self._stage(self._tokens, tokens), "positions": self._stage(self._positions, positions),
-            "cache_positions": self._live_rows(r.start for r in rows),
-            "cache_lengths": self._stage(self._lengths, torch.tensor([r.start for r in rows])),
-            "key_cache": keys, "value_cache": values})
-        results = []
-        for index, row in enumerate(rows):
-            count = len(row.tokens)
-            cache.store(row.slot, row.start, outputs["new_keys"][index, :, :, :count],
-                        outputs["new_values"][index, :, :, :count])
-            logits = outputs["logits"][index, count - 1:count] if row.last_only else outputs["logits"][index, :count]
-            taps = outputs["taps"][index, :count].clone() if with_taps and "taps" in outputs else None
-            results.append((logits.clone(), taps))  # clones: the plan's buffers are reused by the next forward
-        return results
+        rows = host_tokens(rows)  # staged through host rows (a device tensor of tokens is read back here)
+        return self._rows.target(self._target, self._target_cache, rows, with_taps)
 
     @torch.inference_mode()
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
         """Shapes per row: draft logits ``[Bc_i - 1, V]`` on ``device``; afterwards each draft cache holds
         positions ``< start``."""
         assert self._draft is not None and self._draft_cache is not None, "draft_batch() needs a drafter plan"
-        if "past_keys" in self._draft.input_names:
-            return [self._draft_one_with_plugin_graph(row) for row in rows]
-        cache = self._draft_cache
-        block_width = max(len(r.block) for r in rows)
-        context_width = max(1, max(r.taps.shape[0] for r in rows))  # a plan input needs one column at least
-        block = torch.zeros(len(rows), block_width, dtype=torch.int64)
-        block_positions = torch.full((len(rows), block_width), self.max_seq_len, dtype=torch.int64)
-        context_positions = torch.full((len(rows), context_width), self.max_seq_len, dtype=torch.int64)
-        taps = self._taps[:len(rows), :context_width]  # [B, C, L*H], rows right-aligned
-        taps.zero_()
-        for index, row in enumerate(rows):
-            context = row.taps.shape[0]
-            past = row.start - context
-            assert past <= cache.lengths[row.slot], "draft cache gap"
-            assert row.start + len(row.block) <= self.max_seq_len, "draft cache overflow"
-            block[index, :len(row.block)] = torch.tensor(row.block)
-            block_positions[index, :len(row.block)] = torch.arange(row.start, row.start + len(row.block))
-            if context:  # right-aligned: the context ends right before the anchor
-                taps[index, context_width - context:] = row.taps
-                context_positions[index, context_width - context:] = torch.arange(past, row.start)
-        keys, values = cache.bound([r.slot for r in rows])
-        outputs = self._draft.run({
-            "block": self._stage(self._tokens, block), "block_positions": self._stage(self._positions, block_positions),
-            "taps": taps, "context_positions": self._stage(self._context_positions, context_positions),
-            "cache_positions": self._live_rows(r.start - r.taps.shape[0] for r in rows),
-            "cache_lengths": self._stage(self._lengths, torch.tensor([r.start - r.taps.shape[0] for r in rows])),
-            "key_cache": keys, "value_cache": values})
-        results = []
-        for index, row in enumerate(rows):
-            context = row.taps.shape[0]
-            keep = slice(context_width - context, context_width)
-            cache.store(row.slot, row.start - context, outputs["context_keys"][index, :, :, keep],
-                        outputs["context_values"][index, :, :, keep])
-            results.append(outputs["draft_logits"][index, :len(row.block) - 1].clone())
-        return results
-
-    def _draft_one_with_plugin_graph(self, row: DraftRow) -> Tensor:
-        """One row through the plugin-node drafter (``draft_plugin.onnx``: prefix I/O, ``past_keys [n, 1, nkv, P,
-        d]``, ``context_keys [n, 1, nkv, c, d]``)."""
-        cache = self._draft_cache
-        context = row.taps.shape[0]
-        past = row.start - context
-        keys, values = cache.prefix(row.slot, past)
-        block = torch.tensor([row.block], dtype=torch.int64)
-        outputs = self._draft.run({"block": self._stage(self._tokens, block),
-                                   "taps": self._stage(self._taps, row.taps.unsqueeze(0)),
-                                   "past_keys": keys, "past_values": values})
-        cache.store(row.slot, past, outputs["context_keys"][:, 0], outputs["context_values"][:, 0])
-        return outputs["draft_logits"][0, :len(row.block) - 1].clone()
+        if self.plugin_drafter:
+            return self._rows.draft_plugin(self._draft, self._draft_cache, rows)
+        return self._rows.draft(self._draft, self._draft_cache, rows)

@@ -1,6 +1,6 @@
 """The onnxruntime backend vs the torch backend on the same weights: logits, taps and draft logits per batched
-call (rows of several requests in any slots), then whole greedy generations token for token, alone and batched
-(standard-op and plugin-node drafter graphs)."""
+call (rows of several requests in any slots, every drafting row in one draft call), then whole greedy generations
+token for token, alone and batched (standard-op and plugin-node drafter graphs)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytest.importorskip("onnxruntime")
 
 from engine_builds import built_engine  # noqa: E402
 
-from dflash_trt.formats.manifest import read_manifest  # noqa: E402
+from dflash_trt.formats.manifest import GraphVariants, read_manifest  # noqa: E402
 from dflash_trt.config import SamplingParams  # noqa: E402
 from dflash_trt.errors import ConfigError  # noqa: E402
 from dflash_trt.plugins.interface import DraftRow, TargetRow  # noqa: E402
@@ -21,6 +21,7 @@ from dflash_trt.plugins.torch_ref.backend import TorchBackend  # noqa: E402
 from dflash_trt.runtime.session import Session  # noqa: E402
 
 ATOL = 1e-4  # float32 logits of magnitude ~10; ORT fuses differently than torch eager
+ENGINE_GRAPHS = GraphVariants(target="in_place", drafter="batched")  # what an onnxruntime build declares
 
 
 @pytest.fixture(scope="module")
@@ -66,26 +67,30 @@ def _drive(backend, slots):
 
 
 @pytest.fixture(scope="module")
-def in_place_engines(tmp_path_factory):
-    """Engines whose drafters have full-attention layers only, so they get ``draft_step.onnx`` (in place)."""
+def full_attention_engines(tmp_path_factory):
+    """Engines whose drafters have full-attention layers only (bidirectional in the block, or causal)."""
     root = tmp_path_factory.getbasetemp()
-    return {causal: built_engine(root, f"ort-in-place-{causal}", backend="onnxruntime",
+    return {causal: built_engine(root, f"ort-full-{causal}", backend="onnxruntime",
                                  drafter={"sliding": False, "is_causal": causal}) for causal in (None, True)}
 
 
-@pytest.mark.parametrize("variant", ["standard", "plugin", "in-place", "in-place causal"])
+@pytest.mark.parametrize("variant", ["sliding", "plugin", "full", "full causal"])
 @pytest.mark.parametrize("slots", [(0,), (0, 1, 2, 3), (1, 3)], ids=["alone", "contiguous", "gathered"])
-def test_backend_calls_match_torch(engine, plugin_graph, in_place_engines, variant, slots):
-    """Draft graphs: ``draft.onnx`` (a drafter with a sliding layer), the plugin-node graph, and ``draft_step.onnx``
-    for bidirectional and causal drafters."""
-    if variant.startswith("in-place"):
-        engine = in_place_engines[True if variant.endswith("causal") else None]
+def test_backend_calls_match_torch(engine, plugin_graph, full_attention_engines, variant, slots):
+    """Draft graphs: ``draft.onnx`` for a drafter with a sliding layer and for bidirectional and causal drafters with
+    full-attention layers only (every drafting row in one call), and the plugin-node graph (one row per call)."""
+    if variant.startswith("full"):
+        engine = full_attention_engines[True if variant.endswith("causal") else None]
     pair = Session.load(engine, "torch").pair
-    graph = {"plugin": plugin_graph, "standard": engine / "onnx" / "draft.onnx"}.get(variant,
-                                                                                     engine / "onnx" / "draft_step.onnx")
-    ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx", graph,
-                             512, max_batch=4)
+    plugin = variant == "plugin"
+    ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx",
+                             plugin_graph if plugin else engine / "onnx" / "draft.onnx", 512, max_batch=4,
+                             graphs=GraphVariants(target="in_place", drafter="plugin" if plugin else "batched"))
+    draft_calls = []
+    run = ort_backend._draft.session.run
+    ort_backend._draft.session.run = lambda *args: (draft_calls.append(1), run(*args))[1]
     got, expected = _drive(ort_backend, slots), _drive(TorchBackend(pair, 512, 4), slots)
+    assert len(draft_calls) == 2 * (len(slots) if plugin else 1)  # two cycles: one call each, or one per row
     assert len(got) == len(expected) > 0
     for a, b in zip(got, expected):
         assert a.shape == b.shape
@@ -98,8 +103,9 @@ def test_target_caches_are_updated_in_place_one_call_per_run_of_slots(engine):
     one-token rows; only each row's own positions are written, never its padding."""
     pair = Session.load(engine, "torch").pair
     backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx",
-                         engine / "onnx" / "draft.onnx", 512, max_batch=4)
-    network = backend._target
+                         engine / "onnx" / "draft.onnx", 512, max_batch=4, graphs=ENGINE_GRAPHS)
+    network, cache = backend._target, backend.target_cache
+    keys = cache.keys.numpy()  # the slot cache's memory, as the graph sees it
     calls = []
     run = network.session.run_with_iobinding
     network.session.run_with_iobinding = lambda io: (calls.append(io), run(io))
@@ -108,68 +114,55 @@ def test_target_caches_are_updated_in_place_one_call_per_run_of_slots(engine):
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[0][:5]]  # 7, 9, 7, 5 tokens: 28 of 36 padded rows
     backend.target_batch([TargetRow(slot, prompt, 0) for slot, prompt in enumerate(prompts)], False)
     assert len(calls) == 1
-    written = np.argwhere((network.keys != 0).any(axis=(0, 2, 4)))  # (slot, position) pairs written
+    written = np.argwhere((keys != 0).any(axis=(0, 2, 4)))  # (slot, position) pairs written
     assert {tuple(p) for p in written} == {(slot, pos) for slot, prompt in enumerate(prompts)
                                            for pos in range(len(prompt))}
     calls.clear()
-    before = network.keys.copy()
+    before = keys.copy()
     backend.target_batch([TargetRow(slot, [9], len(prompts[slot])) for slot in (0, 1, 3)], False)
     assert len(calls) == 1  # slots 0-3, slot 2 an idle entry
     binding = network._bindings[(0, 4, 1)]
-    assert all(np.shares_memory(view, network.keys) or np.shares_memory(view, network.values)
+    assert all(np.shares_memory(view, keys) or np.shares_memory(view, cache.values.numpy())
                for view in binding.caches)
-    written = np.argwhere((network.keys != before).any(axis=(0, 2, 4)))
+    written = np.argwhere((keys != before).any(axis=(0, 2, 4)))
     assert {tuple(p) for p in written} == {(0, 7), (1, 9), (3, 5)}  # nothing in the idle slot 2
-    assert network.lengths == [8, 10, 7, 6]
+    assert cache.lengths == [8, 10, 7, 6]
 
 
-@pytest.fixture(scope="module")
-def format_3_target_graph(engine, tmp_path_factory):
-    """``target_step.onnx`` as engines of format 3 hold it: without the ``query_seqlens`` input."""
-    import onnx
+def test_an_engine_of_an_earlier_format_is_refused_for_its_graphs_and_runs_on_torch(engine, tmp_path):
+    """Format 4 graphs draft one request per call over another cache layout: `--backend onnxruntime` is refused
+    naming the rebuild command; `auto` falls back to the torch backend, which runs the folder's weights."""
+    import json
+    import shutil
 
-    model = onnx.load(str(engine / "onnx" / "target_step.onnx"))
-    (query_seqlens,) = [i for i in model.graph.input if i.name == "query_seqlens"]
-    model.graph.input.remove(query_seqlens)
-    for node in model.graph.node:
-        if node.op_type == "GroupQueryAttention":
-            del node.input[7:]  # query_seqlens was its only input past total_sequence_length
-    path = tmp_path_factory.getbasetemp() / "format3" / "target_step.onnx"
-    path.parent.mkdir()
-    onnx.save(model, str(path))
-    return path
+    from dflash_trt.errors import BackendUnavailableError
 
-
-def test_a_format_3_target_graph_runs_multi_token_rows_alone(engine, format_3_target_graph):
-    pair = Session.load(engine, "torch").pair
-    backend = OrtBackend(pair.target.config, pair.draft.config, format_3_target_graph, engine / "onnx" / "draft.onnx",
-                         512, max_batch=4)
-    calls = []
-    run = backend._target.session.run_with_iobinding
-    backend._target.session.run_with_iobinding = lambda io: (calls.append(io), run(io))
-    assert not backend._target.padded_rows
-    got, expected = _drive(backend, (0, 1, 2, 3)), _drive(TorchBackend(pair, 512, 4), (0, 1, 2, 3))
-    assert len(calls) == 12  # prompts and both verification rounds: one call per row
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    old = tmp_path / "format4"
+    shutil.copytree(engine, old)
+    raw = json.loads((old / "manifest.json").read_text())
+    raw["format_version"] = 4
+    del raw["graphs"]
+    (old / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(BackendUnavailableError, match=r"`format_version` is 4.*Fix: rebuild it with `dflash-trt build"):
+        Session.load(old, "onnxruntime")
+    with Session.load(old) as session:
+        assert session.backend.name == "torch"
 
 
-@pytest.mark.parametrize(("spans", "padded_rows", "expected"), [
+@pytest.mark.parametrize(("spans", "expected"), [
     # (slot, start, width) per row -> the calls, as row indices
-    ([(0, 9, 1), (1, 9, 1), (2, 4, 16), (3, 8, 16)], True, [[0, 1], [2, 3]]),  # one-token rows apart from blocks
-    ([(0, 4, 16), (1, 9, 1)], True, [[1], [0]]),
-    ([(2, 9, 1), (0, 9, 1), (1, 9, 1), (5, 9, 1)], True, [[1, 2, 0, 3]]),  # slots 3, 4 idle: 2 of 6 entries
-    ([(0, 9, 1), (1, 9, 1), (7, 9, 1)], True, [[0, 1], [2]]),  # slots 2-6 idle would be 5 of 8: a new call
-    ([(2, 9, 1), (0, 9, 1), (1, 9, 1), (5, 9, 1)], False, [[1, 2, 0], [3]]),  # no query_seqlens: consecutive only
-    ([(0, 0, 30), (1, 0, 20), (2, 0, 10)], True, [[0, 1, 2]]),  # 30 of 90 rows padding: shared
-    ([(0, 0, 30), (1, 0, 2), (2, 0, 80)], True, [[0, 1], [2]]),  # would be 128 of 240: a new call
-    ([(0, 500, 2), (1, 100, 16)], True, [[0], [1]]),  # 500 + 16 rows would overrun a 512-row cache
-    ([(0, 4, 16), (1, 4, 16), (2, 9, 1), (3, 9, 1)], False, [[2, 3], [0], [1]]),  # no query_seqlens: blocks alone
+    ([(0, 9, 1), (1, 9, 1), (2, 4, 16), (3, 8, 16)], [[0, 1], [2, 3]]),  # one-token rows apart from blocks
+    ([(0, 4, 16), (1, 9, 1)], [[1], [0]]),
+    ([(2, 9, 1), (0, 9, 1), (1, 9, 1), (5, 9, 1)], [[1, 2, 0, 3]]),  # slots 3, 4 idle: 2 of 6 entries
+    ([(0, 9, 1), (1, 9, 1), (7, 9, 1)], [[0, 1], [2]]),  # slots 2-6 idle would be 5 of 8: a new call
+    ([(0, 0, 30), (1, 0, 20), (2, 0, 10)], [[0, 1, 2]]),  # 30 of 90 rows padding: shared
+    ([(0, 0, 30), (1, 0, 2), (2, 0, 80)], [[0, 1], [2]]),  # would be 128 of 240: a new call
+    ([(0, 500, 2), (1, 100, 16)], [[0], [1]]),  # 500 + 16 rows would overrun a 512-row cache
 ])
-def test_plan_calls(spans, padded_rows, expected):
+def test_plan_calls(spans, expected):
     from dflash_trt.plugins.onnxruntime.backend import plan_calls
 
-    assert plan_calls(spans, 512, padded_rows) == expected
+    assert plan_calls(spans, 512) == expected
 
 
 def test_session_refuses_a_batch_wider_than_the_engine_was_built_for(engine):

@@ -1,0 +1,179 @@
+"""Rows of several requests as one call of an engine graph, over the one slot cache (docs/design.md §3.2).
+
+The ONNX Runtime and TensorRT backends run the same graphs (``builder/export_onnx.py`` has their I/O) through an
+:class:`Executor`: an ONNX Runtime session on the host, or a TensorRT plan on the GPU. Everything around the call
+is written once, here, on torch tensors of the slot cache's device: packing rows into padded inputs
+(``model/layouts.py`` gives each row's positions; padding sits at position ``S``), binding each row's cache slot
+(``model/kv_cache.py``: views, or gathered rows), writing back the K/V rows a graph returns, and the plugin-node
+drafter that runs one row per call. Nothing here reads a device tensor back to the host.
+
+* :meth:`GraphRows.target`: ``target.onnx``, every row in one call; it returns each row's new K/V.
+* :meth:`GraphRows.draft`: ``draft.onnx``, every drafting row in one call, each with its own context length.
+* :meth:`GraphRows.draft_plugin`: ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O), one row per
+  call, since the op's rows share one context length.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash_trt.model.kv_cache import StaticKVCache
+from dflash_trt.model.layouts import DraftLayout, TargetLayout
+from dflash_trt.plugins.interface import DraftRow, TargetRow
+
+
+class Executor(Protocol):
+    """Runs one graph: named input tensors -> named output tensors, on the cache's device.
+
+    ``reuses_outputs``: the outputs are views of buffers the next ``run`` overwrites (the caller copies what it
+    keeps)."""
+
+    input_names: frozenset[str]
+    reuses_outputs: bool
+
+    def run(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]: ...
+
+
+def pack_target(rows: list[TargetRow], pad: int) -> tuple[Tensor, Tensor, TargetLayout]:
+    """``tokens``/``positions [B, T]`` int64 of ``rows``, right-padded (token 0 at position ``pad``): host tensors, or
+    ``tokens`` on the device of rows whose tokens are a tensor there (never read back)."""
+    layout = TargetLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows), tuple(len(r.tokens) for r in rows))
+    held = [r.tokens for r in rows if isinstance(r.tokens, Tensor)]
+    if not held:
+        tokens = torch.tensor([list(r.tokens) + [0] * (layout.width - len(r.tokens)) for r in rows], dtype=torch.int64)
+    else:
+        tokens = torch.stack([F.pad(torch.as_tensor(r.tokens, dtype=torch.int64, device=held[0].device),
+                                    (0, layout.width - len(r.tokens))) for r in rows])
+    return tokens, layout.positions(pad), layout
+
+
+def pack_draft(rows: list[DraftRow], pad: int) -> tuple[Tensor, Tensor, DraftLayout]:
+    """Host tensors ``block [B, Bc]`` int64 (right-padded with 0) and ``positions [B, C + Bc]`` of each row's
+    ``[context ; block]`` (context right-aligned, padding at ``pad``), and the rows' layout."""
+    layout = DraftLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
+                         tuple(r.taps.shape[0] for r in rows), tuple(len(r.block) for r in rows))
+    block = torch.tensor([list(r.block) + [0] * (layout.block_width - len(r.block)) for r in rows], dtype=torch.int64)
+    return block, layout.positions(pad), layout
+
+
+class GraphRows:
+    """The calls of one backend's graphs over its slot caches, with every input buffer allocated at setup
+    (docs/style.md R5): host-packed inputs are copied into the leading elements of flat device buffers, so each
+    input is contiguous (an executor takes a bare address)."""
+
+    def __init__(self, max_batch: int, max_seq_len: int, taps_width: int, device: torch.device) -> None:
+        self.device = device
+        self.max_seq_len = max_seq_len  # padding sits at position S = max_seq_len (the caches' length)
+        self._tokens = torch.zeros(max_batch * max_seq_len, dtype=torch.int64, device=device)
+        self._positions = torch.zeros_like(self._tokens)
+        self._context_positions = torch.zeros_like(self._tokens)
+        self._lengths = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        # cache_positions: the first K rows of this arange are the live cache rows a forward reads (a view, no copy)
+        self._cache_rows = torch.arange(max_seq_len, dtype=torch.int64, device=device)
+        # the drafter's context features, [B, C, L*H] (C up to a prompt's length); on the host they are packed per
+        # call instead: at real sizes (L*H ~ 5 x 4,096) this buffer would be gigabytes of host memory
+        on_host = device.type == "cpu"
+        self._taps = None if on_host else torch.zeros(max_batch * max_seq_len * max(1, taps_width), device=device)
+
+    def _taps_buffer(self, shape: tuple[int, ...]) -> Tensor:
+        if self._taps is None:
+            return torch.zeros(shape)
+        view = self._taps[:torch.Size(shape).numel()].view(shape)
+        view.zero_()
+        return view
+
+    @staticmethod
+    def _stage(buffer: Tensor, host: Tensor) -> Tensor:
+        """``host`` copied into the leading elements of the flat ``buffer``, as a contiguous view of its shape."""
+        view = buffer[:host.numel()].view(host.shape)
+        view.copy_(host, non_blocking=True)
+        return view
+
+    def _live_rows(self, lengths: list[int]) -> Tensor:
+        """``[K]``: the cache rows a forward reads, up to the longest committed prefix of its rows (at least one)."""
+        return self._cache_rows[:max(1, max(lengths))]
+
+    @staticmethod
+    def _kept(executor: Executor, tensor: Tensor) -> Tensor:
+        return tensor.clone() if executor.reuses_outputs else tensor
+
+    def target(self, executor: Executor, cache: StaticKVCache, rows: list[TargetRow], with_taps: bool
+               ) -> list[tuple[Tensor, Tensor | None]]:
+        """``target.onnx``. Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]``
+        or None; on the cache's device."""
+        for row in rows:
+            assert row.start <= cache.lengths[row.slot], "target cache gap"
+            assert row.start + len(row.tokens) <= self.max_seq_len, "target cache overflow"
+        tokens, positions, layout = pack_target(rows, self.max_seq_len)
+        starts = list(layout.starts)
+        keys, values = cache.bound(list(layout.slots), max(1, max(starts)))
+        outputs = executor.run({
+            "tokens": self._stage(self._tokens, tokens), "positions": self._stage(self._positions, positions),
+            "cache_positions": self._live_rows(starts),
+            "cache_lengths": self._stage(self._lengths, torch.tensor(starts)),
+            **_per_layer(keys, values)})
+        results = []
+        for index, row in enumerate(rows):
+            count = len(row.tokens)
+            cache.store(row.slot, row.start, outputs["new_keys"][index, :, :, :count],
+                        outputs["new_values"][index, :, :, :count])
+            logits = outputs["logits"][index, count - 1:count] if row.last_only else outputs["logits"][index, :count]
+            taps = outputs["taps"][index, :count] if with_taps and "taps" in outputs else None
+            results.append((self._kept(executor, logits), None if taps is None else self._kept(executor, taps)))
+        return results
+
+    def draft(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow]) -> list[Tensor]:
+        """``draft.onnx``: every row in one call. Shapes per row: draft logits ``[Bc_i - 1, V]`` on the cache's device;
+        afterwards each draft cache holds positions ``< start``."""
+        block, positions, layout = pack_draft(rows, self.max_seq_len)
+        context = max(1, layout.context_width)  # a graph input needs one column at least
+        committed = [s - c for s, c in zip(layout.starts, layout.context_lens)]
+        taps = self._taps_buffer((len(rows), context, rows[0].taps.shape[-1]))
+        context_positions = torch.full((len(rows), context), self.max_seq_len, dtype=torch.int64)
+        context_positions[:, context - layout.context_width:] = positions[:, :layout.context_width]
+        for index, row in enumerate(rows):
+            assert committed[index] <= cache.lengths[row.slot], "draft cache gap"
+            assert row.start + len(row.block) <= self.max_seq_len, "draft cache overflow"
+            if row.taps.shape[0]:  # right-aligned: the context ends right before the anchor
+                taps[index, context - row.taps.shape[0]:] = row.taps
+        keys, values = cache.bound(list(layout.slots), max(1, max(committed)))
+        outputs = executor.run({
+            "block": self._stage(self._tokens, block),
+            "block_positions": self._stage(self._positions, positions[:, layout.context_width:]),
+            "taps": taps, "context_positions": self._stage(self._context_positions, context_positions),
+            "cache_positions": self._live_rows(committed),
+            "cache_lengths": self._stage(self._lengths, torch.tensor(committed)),
+            **_per_layer(keys, values)})
+        results = []
+        for index, row in enumerate(rows):
+            kept = slice(context - row.taps.shape[0], context)
+            cache.store(row.slot, committed[index], outputs["context_keys"][index, :, :, kept],
+                        outputs["context_values"][index, :, :, kept])
+            results.append(self._kept(executor, outputs["draft_logits"][index, :len(row.block) - 1]))
+        return results
+
+    def draft_plugin(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow]) -> list[Tensor]:
+        """``draft_plugin.onnx`` (prefix I/O: ``past_keys [n, 1, nkv, P, d]`` -> ``context_keys [n, 1, nkv, c, d]``),
+        one row per call."""
+        results = []
+        for row in rows:
+            past = row.start - row.taps.shape[0]
+            assert past <= cache.lengths[row.slot], "draft cache gap"
+            keys, values = cache.prefix(row.slot, past)
+            taps = self._taps_buffer((1, *row.taps.shape))
+            taps.copy_(row.taps.unsqueeze(0))
+            outputs = executor.run({"block": self._stage(self._tokens, torch.tensor([row.block], dtype=torch.int64)),
+                                    "taps": taps, "past_keys": keys, "past_values": values})
+            cache.store(row.slot, past, outputs["context_keys"][:, 0], outputs["context_values"][:, 0])
+            results.append(self._kept(executor, outputs["draft_logits"][0, :len(row.block) - 1]))
+        return results
+
+
+def _per_layer(keys: list[Tensor], values: list[Tensor]) -> dict[str, Tensor]:
+    """The graphs' per-layer cache inputs ``key_cache.{l}``/``value_cache.{l}``."""
+    return ({f"key_cache.{layer}": tensor for layer, tensor in enumerate(keys)}
+            | {f"value_cache.{layer}": tensor for layer, tensor in enumerate(values)})
