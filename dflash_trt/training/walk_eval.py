@@ -26,6 +26,7 @@ time, so a speed-up measured against it comes from the drafter alone.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
@@ -46,8 +47,7 @@ class WalkStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    draft_calls: int = 0
+    draft_times: list[float] = field(default_factory=list)  # seconds of each draft call
     target_seconds: float = 0.0
     output_tokens: int = 0
 
@@ -61,8 +61,13 @@ class WalkStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
     @property
+    def draft_calls(self) -> int:
+        return len(self.draft_times)
+
+    @property
     def draft_ms_per_call(self) -> float:
-        return 1e3 * self.draft_seconds / max(self.draft_calls, 1)
+        """Median milliseconds of one draft call (forward + proposals; robust to a busy machine)."""
+        return 1e3 * statistics.median(self.draft_times) if self.draft_times else 0.0
 
     def observe(self, drafted: int, accepted: int, produced: int) -> None:
         self.acceptance_lengths.append(produced)
@@ -81,8 +86,7 @@ class WalkStats:
         return WalkStats(self.acceptance_lengths + other.acceptance_lengths,
                          [a + b for a, b in zip(padded(self.accepted_per_position), padded(other.accepted_per_position))],
                          [a + b for a, b in zip(padded(self.drafted_per_position), padded(other.drafted_per_position))],
-                         self.draft_seconds + other.draft_seconds, self.draft_calls + other.draft_calls,
-                         self.target_seconds + other.target_seconds, self.output_tokens + other.output_tokens)
+                         self.draft_times + other.draft_times, self.target_seconds + other.target_seconds, self.output_tokens + other.output_tokens)
 
 
 @dataclass(frozen=True)
@@ -167,8 +171,7 @@ def speculative_decode(target: TargetModel, draft: DraftHead, prompt: Sequence[i
         draft_cache.crop(start)  # block K/V never survive a cycle (docs/algorithm.md §3.5)
         drafts = propose(draft, hidden, lm_head, anchor, temperature, proposal, generator)
         ids = drafts.tokens.tolist()  # host-sync: the verify forward needs the ids
-        stats.draft_seconds += time.perf_counter() - began
-        stats.draft_calls += 1
+        stats.draft_times.append(time.perf_counter() - began)
         began = time.perf_counter()
         logits, taps = target(torch.tensor([[anchor] + ids]), start, target_cache, cfg.target_layer_ids)
         accepted, bonus = verify(drafts, logits[0], temperature, generator)
@@ -202,8 +205,8 @@ def plain_decode(target: TargetModel, prompt: Sequence[int], max_new_tokens: int
 
 @dataclass(frozen=True)
 class DrafterRow:
-    """One drafter's line of a comparison: τ per cycle and per prompt, first-position acceptance, draft cost,
-    and (T = 0) its speed-up over plain decoding of the same prompts."""
+    """One drafter's line of a comparison: τ per cycle and per prompt, per-position acceptance, the median draft
+    call, the mean target forward per cycle, and (T = 0) its speed-up over plain decoding of the same prompts."""
 
     name: str
     tau: float
