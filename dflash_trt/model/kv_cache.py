@@ -248,3 +248,19 @@ class StaticKVCache:
     def reset(self) -> None:
         """Forget everything (a new request); buffers are reused, not freed."""
         self.lengths = [0] * len(self.lengths)
+
+
+class SlotCaches:
+    """A backend's two slot caches, ``target_cache`` and ``draft_cache`` (None without a drafter), and what the
+    backend protocol's ``reset_slot`` and ``crop_target_slot`` do to them (bookkeeping only)."""
+
+    target_cache: StaticKVCache
+    draft_cache: StaticKVCache | None
+
+    def reset_slot(self, slot: int) -> None:
+        self.target_cache.reset_slot(slot)
+        if self.draft_cache is not None:
+            self.draft_cache.reset_slot(slot)
+
+    def crop_target_slot(self, slot: int, length: int) -> None:
+        self.target_cache.crop_slot(slot, length)

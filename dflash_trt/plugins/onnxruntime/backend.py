@@ -27,7 +27,7 @@ from torch import Tensor
 
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import BackendUnavailableError
-from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, StaticKVCache
+from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, SlotCaches, StaticKVCache
 from dflash_trt.plugins.graph_rows import GraphRows, pack_target
 from dflash_trt.plugins.interface import DraftRow, TargetRow, host_tokens
 from dflash_trt.model.memory import require_fit
@@ -93,7 +93,7 @@ class OrtGraph:
         return {name: torch.from_numpy(array) for name, array in zip(self.output_names, outputs)}
 
 
-class OrtBackend:
+class OrtBackend(SlotCaches):
     """Target and drafter graphs over host-side slot caches, ``max_batch`` slots (the batched protocol). ``graphs``
     is what the engine's manifest declares its graphs to be (``formats/manifest.py``, :class:`GraphVariants`)."""
 
@@ -136,14 +136,6 @@ class OrtBackend:
                                              prefix=graphs.drafter == "plugin")
         taps = draft_config.num_taps * target_config.hidden_size if draft_config is not None else 0
         self._rows = GraphRows(max_batch, max_seq_len, taps, torch.device("cpu"))
-
-    def reset_slot(self, slot: int) -> None:
-        self.target_cache.reset_slot(slot)
-        if self.draft_cache is not None:
-            self.draft_cache.reset_slot(slot)
-
-    def crop_target_slot(self, slot: int, length: int) -> None:
-        self.target_cache.crop_slot(slot, length)
 
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None."""

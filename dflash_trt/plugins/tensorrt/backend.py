@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError
-from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, StaticKVCache
+from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, SlotCaches, StaticKVCache
 from dflash_trt.plugins.graph_rows import Executor, GraphRows
-from dflash_trt.plugins.interface import DraftRow, TargetRow, host_tokens
+from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.model.memory import require_fit
 
 
@@ -69,7 +69,7 @@ class TensorRTPlan:
         return results
 
 
-class TensorRTBackend:
+class TensorRTBackend(SlotCaches):
     """Target and drafter plans over device slot caches, ``max_batch`` slots (the batched protocol).
 
     ``plans`` (target, drafter) replaces the engine's TensorRT plans with other executors of the same I/O on
@@ -106,11 +106,11 @@ class TensorRTBackend:
         dtype = str(self.dtype).removeprefix("torch.")
         self.kv_cache = KVCachePlan(layouts[0], layouts[1], max_batch, max_seq_len, dtype, self.device)
         require_fit(self.kv_cache)  # before allocating, with the numbers (docs/style.md R5)
-        self._target_cache = StaticKVCache(t.num_layers, max_batch, t.num_kv_heads, max_seq_len, t.head_dim,
+        self.target_cache = StaticKVCache(t.num_layers, max_batch, t.num_kv_heads, max_seq_len, t.head_dim,
                                            self.dtype, device_, extra_rows=0, gather=True)
-        self._draft_cache = None
+        self.draft_cache = None
         if d is not None:
-            self._draft_cache = StaticKVCache(d.num_layers, max_batch, d.num_kv_heads, max_seq_len, d.head_dim,
+            self.draft_cache = StaticKVCache(d.num_layers, max_batch, d.num_kv_heads, max_seq_len, d.head_dim,
                                               self.dtype, device_, extra_rows=0, gather=True, prefix=plugin_drafter)
         # inputs, assembled on the host each step and copied in (one small host-to-device copy per input)
         self._rows = GraphRows(max_batch, max_seq_len, self._tap_width(), device_)
@@ -148,26 +148,18 @@ class TensorRTBackend:
         d = self.draft_config
         return d.num_taps * self.target_config.hidden_size if d is not None else 0
 
-    def reset_slot(self, slot: int) -> None:
-        self._target_cache.lengths[slot] = 0
-        if self._draft_cache is not None:
-            self._draft_cache.lengths[slot] = 0
-
-    def crop_target_slot(self, slot: int, length: int) -> None:
-        self._target_cache.lengths[slot] = min(self._target_cache.lengths[slot], length)
-
     @torch.inference_mode()
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None;
-        on ``device``."""
-        rows = host_tokens(rows)  # staged through host rows (a device tensor of tokens is read back here)
-        return self._rows.target(self._target, self._target_cache, rows, with_taps)
+        on ``device``. A row's tokens may be a tensor on ``device`` (a verify row): they are packed there, not read
+        back."""
+        return self._rows.target(self._target, self.target_cache, rows, with_taps)
 
     @torch.inference_mode()
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
         """Shapes per row: draft logits ``[Bc_i - 1, V]`` on ``device``; afterwards each draft cache holds
         positions ``< start``."""
-        assert self._draft is not None and self._draft_cache is not None, "draft_batch() needs a drafter plan"
+        assert self._draft is not None and self.draft_cache is not None, "draft_batch() needs a drafter plan"
         if self.plugin_drafter:
-            return self._rows.draft_plugin(self._draft, self._draft_cache, rows)
-        return self._rows.draft(self._draft, self._draft_cache, rows)
+            return self._rows.draft_plugin(self._draft, self.draft_cache, rows)
+        return self._rows.draft(self._draft, self.draft_cache, rows)

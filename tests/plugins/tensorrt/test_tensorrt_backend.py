@@ -101,7 +101,7 @@ def test_batched_steps_match_the_onnxruntime_backend_on_the_same_graphs(engine, 
     """Prefill, draft and verify for requests in non-consecutive slots, then a crop and a reset: every logit,
     tap and cache row equals the onnxruntime backend's (same graphs, same inputs)."""
     ours, reference = _backends(engine, pair, 4)
-    cache_pointers = (ours._target_cache.keys.data_ptr(), ours._draft_cache.values.data_ptr())
+    cache_pointers = (ours.target_cache.keys.data_ptr(), ours.draft_cache.values.data_ptr())
     prompts = {0: [1, 403, 407, 261, 280], 2: [1, 76, 300], 3: [1, 9, 17, 40, 41, 42, 43]}
     steps = []
     prefill = [TargetRow(slot, tokens, 0) for slot, tokens in prompts.items()]
@@ -125,8 +125,8 @@ def test_batched_steps_match_the_onnxruntime_backend_on_the_same_graphs(engine, 
     results = [backend.target_batch(again, with_taps=False) for backend in (ours, reference)]
     assert all(_same(a[0], b[0]) and a[1] is None for a, b in zip(*results))
     assert results[0][1][0].shape == (1, pair.target.config.vocab_size)
-    assert torch.equal(ours._target_cache.keys, reference.target_cache.keys)
-    assert (ours._target_cache.keys.data_ptr(), ours._draft_cache.values.data_ptr()) == cache_pointers
+    assert torch.equal(ours.target_cache.keys, reference.target_cache.keys)
+    assert (ours.target_cache.keys.data_ptr(), ours.draft_cache.values.data_ptr()) == cache_pointers
 
 
 def test_the_plugin_graph_drafter_matches_the_standard_graph(pair, engine):
@@ -162,6 +162,20 @@ def test_a_session_on_the_backend_is_lossless(engine, pair, monkeypatch):
 def test_the_kv_cache_plan_counts_every_cache_buffer_it_allocates(engine, pair):
     ours, _ = _backends(engine, pair, 2)
     names = ("keys", "values", "gather_keys", "gather_values", "prefix_keys", "prefix_values")
-    allocated = [sum(getattr(cache, name).nbytes for name in names) for cache in (ours._target_cache, ours._draft_cache)]
+    allocated = [sum(getattr(cache, name).nbytes for name in names) for cache in (ours.target_cache, ours.draft_cache)]
     assert [ours.kv_cache.target_bytes, ours.kv_cache.draft_bytes] == allocated
     assert ours.kv_cache.max_batch == 2 and ours.kv_cache.max_seq_len == 128 and ours.kv_cache.dtype == "float32"
+
+
+def test_verify_rows_whose_tokens_are_device_tensors_match_rows_of_lists(engine, pair):
+    """A verify row's tokens arrive as an int64 tensor on the backend's device; they are packed there (no read-back)
+    and give the logits the same rows as lists give."""
+    ours, _ = _backends(engine, pair, 2)
+    prompt = [1, 403, 407, 261, 280]
+    results = []
+    for tokens in ([9, 5, 6], torch.tensor([9, 5, 6])):
+        for slot in (0, 1):
+            ours.reset_slot(slot)
+        ours.target_batch([TargetRow(0, prompt, 0), TargetRow(1, prompt[:3], 0)], with_taps=False)
+        results.append(ours.target_batch([TargetRow(0, tokens, 5), TargetRow(1, [7], 3)], with_taps=True))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(*results))
