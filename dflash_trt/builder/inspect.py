@@ -45,7 +45,8 @@ def _describe_drafter(path: Path) -> tuple[dict[str, Any], DraftConfig]:
     config = read_draft_config(path)
     entries = read_headers(safetensors_files(path))
     check_draft_tensors(DraftHead.without_weights(config), entries, str(path))  # the key table, no weights
-    return ({"path": str(path), "kind": "drafter", "format": "z-lab DFlash (DFlashDraftModel)",
+    model = "DFlash2 (DFlash2DraftModel)" if config.architecture == "dflash2" else "DFlash (DFlashDraftModel)"
+    return ({"path": str(path), "kind": "drafter", "format": f"z-lab {model}",
              "parameters": sum(e.numel for e in entries.values()), **_weights(entries),
              "config": config.model_dump(mode="json")}, config)
 

@@ -155,3 +155,11 @@ def test_an_engine_build_with_a_dflash2_drafter_is_refused_with_the_fix(zoo, dfl
     with pytest.raises(ConfigError, match=r"DFlash2 drafter.*Fix: run the pair from its checkpoints"):
         build_engine(config)
     assert not (tmp_path / "e").exists()
+
+
+def test_inspect_describes_a_dflash2_drafter(zoo, dflash2_dir):
+    from dflash_trt.builder.inspect import describe_checkpoint
+
+    drafter = describe_checkpoint(dflash2_dir)
+    assert drafter["format"] == "z-lab DFlash2 (DFlash2DraftModel)"
+    assert drafter["config"]["selector_top_k"] == 6 and drafter["config"]["architecture"] == "dflash2"
