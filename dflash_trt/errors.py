@@ -79,6 +79,10 @@ class ServingError(DFlashError, RuntimeError):
     """A Triton model repository cannot be written, or the bundled tritonserver failed to start or stop."""
 
 
+class NumericalError(DFlashError, RuntimeError):
+    """A network produced logits that are not a distribution (NaN or inf) for a request that samples from them."""
+
+
 class TrainingError(DFlashError, ValueError):
     """A drafter-training or evaluation run cannot start or continue: bad settings, unusable data or prompt
     files, or a ``--resume`` whose checkpoint does not match the run."""

@@ -131,6 +131,7 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
     runs adaptive DFlash. Both need ``max_batch >= max(concurrency)`` to batch the waves.
     """
     prompt_sets = load_prompt_sets(config)
+    session.measure_costs()  # each cell reports where its steps' time went (``_step_costs``)
     block_lens = config.block_lens or (session.default_block_len,)
     cells = [(ps, t, b, c) for ps in prompt_sets for t in config.temperatures for b in block_lens
              for c in config.concurrency]

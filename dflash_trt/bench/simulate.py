@@ -36,7 +36,7 @@ from dflash_trt.config import SamplingParams
 from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.runtime import calibration
 from dflash_trt.runtime.costs import CostModel
-from dflash_trt.runtime.loop import RequestState
+from dflash_trt.runtime.request import RequestState
 from dflash_trt.runtime.policy import SpeculationConfig
 from dflash_trt.runtime.scheduler import Scheduler
 

@@ -10,7 +10,7 @@ any backend. A backend serves rows of several requests per forward through ``tar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -21,12 +21,22 @@ from dflash_trt.config import DraftConfig, TargetConfig
 
 @dataclass(frozen=True)
 class TargetRow:
-    """One request's tokens in a target forward: ``tokens`` at positions ``start ..`` of cache ``slot``."""
+    """One request's tokens in a target forward: ``tokens`` at positions ``start ..`` of cache ``slot``.
+
+    A prompt's tokens are a host list; a verify row's (the anchor and its drafts) are an int64 tensor ``[T]`` on the
+    backend's device, built there without reading the drafts back. :func:`host_tokens` gives a host list of either.
+    """
 
     slot: int
-    tokens: list[int]
+    tokens: list[int] | Tensor
     start: int
     last_only: bool = False  # prefill: only the last row's logits are needed
+
+
+def host_tokens(rows: list[TargetRow]) -> list[TargetRow]:
+    """``rows`` with every tensor of tokens as a host list, for backends whose inputs are host arrays (one read of
+    each tensor: a device sync where the tensor lives on a GPU)."""
+    return [row if isinstance(row.tokens, list) else replace(row, tokens=row.tokens.tolist()) for row in rows]
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,23 @@ class DraftRow:
     block: list[int]
     taps: Tensor
     start: int
+    # DFlash2 only (``propose_batch``): the walk's temperature (0: the best path) and, when > 0, one uniform in
+    # [0, 1) per draft slot ``[Bc - 1]``, drawn from the request's own generator (docs/algorithm.md §2.11)
+    temperature: float = 0.0
+    uniforms: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """A DFlash2 drafter's proposals for one row: the selector's path and the sparse distribution it came from.
+
+    Shapes: tokens ``[K]`` (int64, slots 1..K); support ``[K, k]`` (int64 candidate ids, best logit first); probs
+    ``[K, k]`` float32 ``softmax(score / T)`` over the support when the row was sampled (T > 0), else None.
+    """
+
+    tokens: Tensor
+    support: Tensor
+    probs: Tensor | None = None
 
 
 class Backend(Protocol):
@@ -59,6 +86,11 @@ class Backend(Protocol):
 
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
         """Per row: draft logits ``[Bc_i - 1, V]``; afterwards each slot's draft cache holds positions ``< start``."""
+
+    def propose_batch(self, rows: list[DraftRow]) -> list[DraftProposal]:
+        """DFlash2 drafters (``draft_config.architecture == "dflash2"``): the draft call of ``draft_batch``, then the
+        candidate selector's walk per row (greedy, or sampled with the row's temperature and uniforms). Backends
+        that cannot run a DFlash2 drafter leave it out; their loaders refuse such a drafter."""
 
     def crop_target_slot(self, slot: int, length: int) -> None:
         """Discard target cache rows ``>= length`` of ``slot`` (rejected drafts)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
 GREEDY_BELOW = 1e-5
 """Temperatures below this decode greedily (vLLM's ``_SAMPLING_EPS``)."""
 
@@ -49,25 +48,34 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k
     return probs
 
 
-_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
-
-
 def argmax_rows(logits: Tensor) -> Tensor:
-    """``logits.argmax(-1)``: the first maximum on ties and a NaN counted as the maximum, as torch does. A CPU tensor
-    goes through numpy, whose row argmax costs ~1.5 us on a cycle's ``[16, 512]`` logits against ~20 us for torch's
-    CPU reduction (a cycle takes two). Shapes: ``[..., V]`` -> int64 ``[...]``."""
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
-        return torch.as_tensor(logits.detach().numpy().argmax(-1))
+    """``logits.argmax(-1)``: the first maximum on ties and a NaN counted as the maximum. Shapes: ``[..., V]`` ->
+    int64 ``[...]``."""
     return logits.argmax(-1)
 
 
-def argmax_ids(logits: Tensor) -> list[int]:
-    """``argmax_rows(logits).tolist()``, without making a tensor on a CPU. Shapes: ``[R, V]`` -> R ids."""
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
-        return logits.detach().numpy().argmax(-1).tolist()
-    return logits.argmax(-1).tolist()
+def draw(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One draw per row by inversion: the first token whose cumulative mass exceeds ``u · mass`` (``mass`` = the
+    row's sum, so rows need not be normalised). Token ``v`` is drawn with probability ``p_v / mass`` (float32
+    cumulative sums: a token below ~1e-7 of its row's mass may be absorbed and never drawn) and a zero-probability
+    token never, its interval being empty. The uniforms come from the request's own generator (:func:`uniforms`),
+    so a draw depends on nothing else in the batch; it runs on the device, without reading anything back. A row that
+    is not a distribution (NaN, no mass) still gives an id in range; callers check :func:`has_mass`.
+    Shapes: probs ``[R, V]``, uniforms ``[R]`` in ``[0, 1)`` -> ids ``[R]`` int64.
+    """
+    cdf = probs.float().cumsum(-1)
+    mass = cdf[:, -1:]
+    # u · mass can round up to mass itself; the largest float below it keeps the draw inside the row
+    target = torch.minimum(uniforms.unsqueeze(1) * mass, torch.nextafter(mass, torch.zeros_like(mass)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def draw(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """One independent draw per row. Shapes: probs ``[R, V]`` -> ids ``[R]``."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def has_mass(probs: Tensor) -> Tensor:
+    """Rows that are distributions up to scale: finite, with positive mass. Shapes: ``[R, V]`` -> bool ``[R]``."""
+    mass = probs.sum(-1)
+    return torch.isfinite(mass) & (mass > 0)
+
+
+def uniforms(generator: torch.Generator, count: int) -> Tensor:
+    """``count`` uniforms in ``[0, 1)`` from one request's generator, on its device. Shapes: -> ``[count]``."""
+    return torch.rand(count, generator=generator, device=generator.device)

@@ -1,11 +1,15 @@
-"""Continuous batching of draft-verify cycles across requests (one worker thread per session).
+"""Continuous batching of draft-verify steps across requests (one worker thread per session).
 
-Each step: admit queued requests into free cache slots (prefill one by one), drop cancelled ones,
-pick every request's draft length (``policy``), run ONE draft forward for all drafting requests and
-ONE verify forward for all active requests, then hand each request its cycle. Requests differ in
-position, block length, sampling parameters and seed; each keeps its own RNG, so its output does
-not depend on what else is in the batch. A failure is isolated to its request: that request gets the
-error (``finish_reason == "error"``), the others of the batch finish normally, and the worker keeps serving.
+Each step: admit queued requests into free cache slots (their prompts in one forward, ``step.prefill``), drop
+cancelled ones, pick every request's draft length (``policy``), then run one batched step (``step.run_step``: one
+draft call, one verify call, one acceptance, one host read) and hand each request its cycle. Requests differ in
+position, block length, sampling parameters and seed; each keeps its own RNG, so its output does not depend on what
+else is in the batch. A failure is isolated to its request: that request gets the error
+(``finish_reason == "error"``), the others of the batch finish normally, and the worker keeps serving.
+
+Measurement sits beside the step: each step's :class:`StepReport` goes to the subscribers (``subscribe``). Only the
+subscribers that need it make the step read the clock (``timed``); a static session with no subscriber times nothing
+and feeds nothing.
 """
 
 from __future__ import annotations
@@ -17,15 +21,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from dflash_trt.errors import RequestError
-from dflash_trt.plugins.interface import Backend, DraftRow
+from dflash_trt.plugins.interface import Backend
 from dflash_trt.runtime.costs import CostModel
-from dflash_trt.runtime.loop import Cycle, RequestState
 from dflash_trt.runtime.planner import AutoPlanner, RequestMemory
 from dflash_trt.runtime.policy import AcceptanceTracker, SpeculationConfig, static_lengths
+from dflash_trt.runtime.request import Cycle, RequestState
+from dflash_trt.runtime.step import StepReport, prefill, run_step
 
 Sink = Callable[[Cycle | BaseException | None], None]  # a cycle, an error, or None when cancelled
+Subscriber = Callable[[StepReport], None]
 
 
 class _Active:
@@ -48,9 +55,24 @@ class Scheduler:
         self.active: list[_Active] = []
         self.prior = AcceptanceTracker(256, 64)  # the session's acceptance: every request's starting estimate
         self.planner = AutoPlanner(costs, self.prior)
+        self.subscribers: list[Subscriber] = []
+        self.timed = False  # whether steps read the clock (some subscriber needs times)
+        self._step_entries: dict[int, _Active] = {}  # id(state) -> entry, for the step's subscribers
+        if speculation.mode == "auto":
+            self.subscribe(self.record_costs, timed=True)
+            self.subscribe(self.observe_acceptance, timed=True)
+        elif speculation.acceptance_rate_threshold is not None:
+            self.subscribe(self.observe_acceptance)
         self._wake = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
+
+    def subscribe(self, subscriber: Subscriber, timed: bool = False) -> None:
+        """Call ``subscriber(report)`` after every step, from the worker thread; ``timed``: it reads the report's
+        times, so steps measure them from now on. Subscribing twice is a no-op."""
+        if subscriber not in self.subscribers:
+            self.subscribers.append(subscriber)
+        self.timed = self.timed or timed
 
     def submit(self, make_state: Callable[[int], RequestState], sink: Sink, cancelled: threading.Event) -> None:
         with self._wake:
@@ -119,16 +141,11 @@ class Scheduler:
             admitted.append(entry)
         if not admitted:
             return
-        with_taps = any(entry.state.uses_drafter for entry in admitted)
-        rows = self._each(((entry, None) for entry in admitted), lambda entry, _: entry.state.prefill_row())
-        results = self._forward(lambda batch: self.backend.target_batch(batch, with_taps), rows)
-        for entry, (logits, taps) in results:
-            try:
-                entry.sink(entry.state.finish_prefill(logits, taps if entry.state.uses_drafter else None))
-            except Exception as error:  # noqa: BLE001 - delivered to that request, the others go on
-                self._fail(entry, error)
-                continue
-            if entry.state.finished:
+        entries = {id(entry.state): entry for entry in admitted}
+        for state, cycle in prefill(self.backend, [entry.state for entry in admitted], self._fail_state(entries)):
+            entry = entries[id(state)]
+            entry.sink(cycle)
+            if state.finished:
                 self._release(entry)
 
     def draft_lengths(self) -> list[int]:
@@ -139,7 +156,8 @@ class Scheduler:
             plan = self.planner.plan([a.memory for a in self.active])
             for entry in self.active:
                 if entry.memory.retired and entry.state.uses_drafter:
-                    entry.state.stop_drafting()
+                    # plain decoding from now on: no draft calls, no context taps to keep (the output is unchanged)
+                    entry.state.block_len, entry.state.pending = 1, []
             return plan.lengths
         wanted = [a.state.block_len - 1 for a in self.active]
         return static_lengths(self.speculation, wanted, [a.memory.tracker.acceptance_rate for a in self.active])
@@ -151,62 +169,47 @@ class Scheduler:
         if not self.active:
             return
         batch = list(self.active)
-        step_began = self.clock()
-        forwards = 0.0
-        rows = self._each(zip(batch, self.draft_lengths()), lambda entry, length: entry.state.draft_row(length))
-        drafting = [(entry, row) for entry, row in rows if row is not None]
-        if drafting:
-            began = self.clock()
-            outputs = self._forward(self.backend.draft_batch, drafting)
-            forwards += self.clock() - began
-            self.costs.record("draft", len(drafting), _draft_width([row for _, row in drafting]),
-                              self.clock() - began)
-            self._each(outputs, lambda entry, draft_logits: entry.state.take_drafts(draft_logits))
-        verify = self._each(((entry, None) for entry in batch if entry in self.active),
-                            lambda entry, _: entry.state.verify_row())
-        if not verify:
-            return
-        began = self.clock()
-        with_taps = any(entry.state.uses_drafter for entry, _ in verify)
-        results = self._forward(lambda rows: self.backend.target_batch(rows, with_taps), verify)
-        forwards += self.clock() - began
-        self.costs.record("verify", len(verify), max(len(r.tokens) for _, r in verify), self.clock() - began)
-        cycles = self._each(results, lambda entry, result: entry.state.finish_verify(*result))
-        for entry, cycle in cycles:
-            # crop to start: the bonus is not in the cache; it is verified as slot 0 of the next block
-            self.backend.crop_target_slot(entry.state.slot, entry.state.start)
-            entry.memory.tracker.observe(cycle.drafted, cycle.accepted)
-            self.prior.observe(cycle.drafted, cycle.accepted)
-            self.planner.observed(entry.memory, cycle.drafted, cycle.accepted)
+        entries = {id(entry.state): entry for entry in batch}
+        began = self.clock() if self.timed else 0.0
+        cycles, report = run_step(self.backend, [entry.state for entry in batch], self.draft_lengths(),
+                                  self._fail_state(entries), self.clock if self.timed else None)
+        for state, cycle in cycles:
+            entry = entries[id(state)]
             entry.sink(cycle)
-            if entry.state.finished:
+            if state.finished:
                 self._release(entry)
-        took = self.clock() - step_began
-        self.costs.record_overhead(bool(drafting), len(verify), took - forwards)
+        if self.subscribers and report.rows:
+            if self.timed:
+                report = replace(report, seconds=self.clock() - began)
+            self._step_entries = entries
+            for subscriber in self.subscribers:
+                subscriber(report)
+
+    # ----------------------------------------------------------------- subscribers
+
+    def record_costs(self, report: StepReport) -> None:
+        """Feed the cost model: each forward's time at its batch and width, and the rest of the step."""
+        if report.draft_rows:
+            self.costs.record("draft", report.draft_rows, report.draft_width, report.draft_s)
+        self.costs.record("verify", len(report.rows), report.verify_width, report.verify_s)
+        self.costs.record_overhead(bool(report.draft_rows), len(report.rows),
+                                   report.seconds - report.draft_s - report.verify_s)
+
+    def observe_acceptance(self, report: StepReport) -> None:
+        """Feed each request's rolling acceptance, the session prior and the ``auto`` planner."""
+        for state, drafted, accepted in zip(report.rows, report.drafted, report.accepted):
+            memory = self._step_entries[id(state)].memory
+            memory.tracker.observe(drafted, accepted)
+            if self.speculation.mode == "auto":
+                self.prior.observe(drafted, accepted)
+                self.planner.observed(memory, drafted, accepted)
         if self.speculation.mode == "auto":
-            self.planner.step_took(took)
+            self.planner.step_took(report.seconds)
 
-    def _each(self, pairs, work: Callable) -> list:
-        """``(entry, work(entry, item))`` for each ``(entry, item)``; a request whose own work raises fails
-        alone (its sink gets the error, its slot is freed) and the others go on."""
-        done = []
-        for entry, item in pairs:
-            try:
-                done.append((entry, work(entry, item)))
-            except Exception as error:  # noqa: BLE001 - delivered to that request, the batch goes on
-                self._fail(entry, error)
-        return done
+    # ----------------------------------------------------------------- failures and slots
 
-    def _forward(self, forward: Callable, pairs: list) -> list:
-        """``forward(rows)`` for every ``(entry, row)`` at once; if the batched call raises, each row alone,
-        so only the requests whose own row fails get the error (a re-run rewrites the same cache positions)."""
-        try:
-            return list(zip([entry for entry, _ in pairs], forward([row for _, row in pairs])))
-        except Exception as error:  # noqa: BLE001 - isolated below
-            if len(pairs) == 1:
-                self._fail(pairs[0][0], error)
-                return []
-        return self._each(pairs, lambda entry, row: forward([row])[0])
+    def _fail_state(self, entries: dict[int, _Active]) -> Callable[[RequestState, BaseException], None]:
+        return lambda state, error: self._fail(entries[id(state)], error)
 
     def _fail(self, entry: _Active, error: BaseException) -> None:
         self._release(entry)
@@ -217,11 +220,3 @@ class Scheduler:
             self.active.remove(entry)
             heapq.heappush(self.free_slots, entry.state.slot)
 
-
-def _draft_width(rows: list[DraftRow]) -> int:
-    """The width a draft call is recorded at: its block, plus the context taps when some row took in more
-    context than a block (a first draft after the prompt, or after plain steps). ``CostModel.step`` prices that
-    one-off context the same way, and a steady-state cycle's estimate stays the steady-state calls'."""
-    block = max(len(r.block) for r in rows)
-    context = max(r.taps.shape[0] for r in rows)
-    return block + context if context > block else block

@@ -29,8 +29,8 @@ from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.plugins.registry import available_backends, backend_spec, create_backend
 from dflash_trt.runtime.calibration import calibrate
 from dflash_trt.runtime.costs import CostModel
-from dflash_trt.runtime.loop import Cycle, RequestState
 from dflash_trt.runtime.policy import SpeculationConfig
+from dflash_trt.runtime.request import Cycle, RequestState
 from dflash_trt.runtime.scheduler import Scheduler
 from dflash_trt.runtime.stats import SpecStats
 from dflash_trt.tokenizer import Tokenizer
@@ -161,6 +161,13 @@ class Session:
                                f"--max-seq-len {max_seq_len}.")
         return cls(engine.pair, backend=engine.backend, engine=engine, max_batch=max_batch, speculation=speculation,
                    max_seq_len=max_seq_len or min(engine.max_seq_len, DEFAULT_MAX_SEQ_LEN), announce=announce)
+
+    def measure_costs(self) -> CostModel:
+        """Feed ``self.costs`` from every step from now on (each forward timed at its batch and width, and the
+        rest of the step) and return it. ``auto`` speculation does so from the start; a static session measures
+        nothing unless asked (the benchmark asks, to report where a step's time goes)."""
+        self._scheduler.subscribe(self._scheduler.record_costs, timed=True)
+        return self.costs
 
     @property
     def manifest_sha256(self) -> str | None:

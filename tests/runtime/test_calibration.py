@@ -11,7 +11,7 @@ from tiny_models import DraftSpec, TargetSpec
 from dflash_trt.plugins.interface import DraftRow
 from dflash_trt.runtime.calibration import CONTEXT, TAPS, calibrate
 from dflash_trt.runtime.costs import CostModel
-from dflash_trt.runtime.scheduler import _draft_width
+from dflash_trt.runtime.step import _draft_width
 from dflash_trt.runtime.session import Session
 
 TARGET = TargetSpec(family="llama", num_layers=4)  # the pair test_scheduler.py uses (built once per session)

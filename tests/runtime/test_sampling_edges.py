@@ -44,7 +44,7 @@ def test_accepted_edges_give_a_distribution_the_draw_takes(row):
     f = {"top_p": 1.0, "top_k": 0, **fields(row[0], row[1])}
     probs = sampling_probs(logits, f["temperature"], f["top_p"], f["top_k"])
     assert _is_distribution(probs)
-    drawn = draw(probs, torch.Generator().manual_seed(1))
+    drawn = draw(probs, torch.rand(3, generator=torch.Generator().manual_seed(1)))
     if row[2] == GREEDY:  # one token keeps all the mass: the argmax (the first one on a tie, as argmax does)
         assert drawn.tolist() == logits.argmax(-1).tolist()
         assert probs.max(-1).values.tolist() == [1.0, 1.0, 1.0]

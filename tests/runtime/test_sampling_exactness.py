@@ -1,7 +1,8 @@
 """Speculative sampling is distribution-preserving (lossless), for both proposal modes (docs/algorithm.md §3.4).
 
-* ``greedy``: variant A, argmax draft + one-hot rejection (``accept_onehot``);
-* ``sampled``: variant B, draft sampled from q + standard rejection (``accept_rejection``).
+* ``greedy``: variant A, argmax draft + one-hot rejection (``accept_matching`` on draws from p);
+* ``sampled``: variant B, draft sampled from q + standard rejection (``accept_rejection``), with q dense over the
+  vocabulary or sparse (a top-3 support, as a drafter proposing from a few candidates gives it).
 
 Statistical method. Every check is Pearson's chi-square goodness-of-fit test of observed token counts
 against the *exact* target distribution (cells with an expected count below 5 are pooled; a token
@@ -30,10 +31,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dflash_trt.runtime import loop
-from dflash_trt.runtime.sampling import draw
+from dflash_trt.runtime import step
+from dflash_trt.runtime.sampling import draw, uniforms
 from dflash_trt.runtime.stats import SpecStats
-from dflash_trt.runtime.verify import Verdict, accept_onehot, accept_rejection
+from dflash_trt.runtime.verify import DraftProbs, RowLayout, Verdicts, accept_matching, accept_rejection
 
 ALPHA = 1e-3
 MIN_EXPECTED = 5.0
@@ -83,6 +84,7 @@ DRAFTS_A = 3
 ANCHOR_A = 0
 TRIALS_A = 6000
 CONTROL_TRIALS_A = 2000
+SPARSE_SUPPORT = 3
 
 
 def markov_target() -> torch.Tensor:
@@ -104,23 +106,38 @@ def draft_tables(target: torch.Tensor) -> torch.Tensor:
     return 0.5 * marginal + 0.5 * noise
 
 
-def correct_rule(drafts, draft_probs, target_probs, generator, proposal) -> Verdict:
+def proposal_probs(table: torch.Tensor, proposal: str) -> DraftProbs:
+    """The draft distribution of each slot: dense, or its top ``SPARSE_SUPPORT`` renormalised (``sampled-sparse``)."""
+    if proposal != "sampled-sparse":
+        return DraftProbs(table)
+    masses, ids = table.topk(SPARSE_SUPPORT, -1)
+    return DraftProbs(masses / masses.sum(-1, keepdim=True), ids)
+
+
+def correct_rule(drafts, draft_probs: DraftProbs, target_probs, generator, proposal) -> tuple[int, int]:
+    """(accepted, bonus) of one row, its uniforms drawn from ``generator`` as the step draws them."""
+    count = drafts.shape[0]
+    layout = RowLayout.of([count], "cpu")
+    drawn = uniforms(generator, count + 1)
     if proposal == "greedy":
-        return accept_onehot(drafts, target_probs, generator)
-    return accept_rejection(drafts, draft_probs, target_probs, generator)
+        verdicts = accept_matching(drafts, draw(target_probs, drawn), layout)
+    else:
+        verdicts = accept_rejection(drafts, draft_probs, target_probs, drawn[:count], drawn[count:], layout)
+    accepted = int(verdicts.accepted[0])
+    return accepted, int(verdicts.tokens[0, accepted])
 
 
-def always_accept_rule(drafts, draft_probs, target_probs, generator, proposal) -> Verdict:
+def always_accept_rule(drafts, draft_probs, target_probs, generator, proposal) -> tuple[int, int]:
     """Wrong: keeps every draft (the output follows the drafter, not the target)."""
-    return Verdict(drafts.shape[0], int(draw(target_probs[-1:], generator)[0]))
+    return drafts.shape[0], int(draw(target_probs[-1:], uniforms(generator, 1))[0])
 
 
-def bonus_without_residual_rule(drafts, draft_probs, target_probs, generator, proposal) -> Verdict:
+def bonus_without_residual_rule(drafts, draft_probs, target_probs, generator, proposal) -> tuple[int, int]:
     """Wrong, subtly: after a reject the bonus is a fresh draw from ``p_acc`` instead of the residual."""
-    verdict = correct_rule(drafts, draft_probs, target_probs, generator, proposal)
-    if verdict.accepted == drafts.shape[0]:
-        return verdict
-    return Verdict(verdict.accepted, int(draw(target_probs[verdict.accepted:verdict.accepted + 1], generator)[0]))
+    accepted, bonus = correct_rule(drafts, draft_probs, target_probs, generator, proposal)
+    if accepted == drafts.shape[0]:
+        return accepted, bonus
+    return accepted, int(draw(target_probs[accepted:accepted + 1], uniforms(generator, 1))[0])
 
 
 def simulate_first_two_tokens(rule, proposal: str, trials: int, seed: int) -> tuple[np.ndarray, list[int]]:
@@ -136,13 +153,14 @@ def simulate_first_two_tokens(rule, proposal: str, trials: int, seed: int) -> tu
     for _ in range(trials):
         anchor, emitted = ANCHOR_A, []
         while len(emitted) < 2:
-            draft_probs = tables[anchor]  # [K, V]
-            drafts = draft_probs.argmax(-1) if proposal == "greedy" else draw(draft_probs, generator)
+            draft_probs = proposal_probs(tables[anchor], proposal)  # K slots
+            drafts = (tables[anchor].argmax(-1) if proposal == "greedy"
+                      else draft_probs.sample(uniforms(generator, DRAFTS_A)))
             block = torch.cat([torch.tensor([anchor]), drafts])
             target_probs = target[block]  # [K+1, V]: row k predicts the token after block[k]
-            verdict = rule(drafts, draft_probs, target_probs, generator, proposal)
-            histogram[verdict.accepted] += 1
-            emitted += drafts[:verdict.accepted].tolist() + [verdict.bonus]
+            accepted, bonus = rule(drafts, draft_probs, target_probs, generator, proposal)
+            histogram[accepted] += 1
+            emitted += drafts[:accepted].tolist() + [bonus]
             anchor = emitted[-1]
         counts[emitted[0], emitted[1]] += 1
     return counts, histogram
@@ -153,7 +171,7 @@ def exact_first_two_tokens() -> np.ndarray:
     return target[ANCHOR_A][:, None] * target  # P(t1, t2) = M[a0, t1] M[t1, t2]
 
 
-@pytest.mark.parametrize("proposal", ["greedy", "sampled"])
+@pytest.mark.parametrize("proposal", ["greedy", "sampled", "sampled-sparse"])
 def test_verify_rules_emit_the_target_distribution(proposal):
     counts, histogram = simulate_first_two_tokens(correct_rule, proposal, TRIALS_A, seed=100)
     exact = exact_first_two_tokens()
@@ -162,7 +180,7 @@ def test_verify_rules_emit_the_target_distribution(proposal):
     assert chi_square_pvalue(counts, exact) > ALPHA  # joint of the first two emitted tokens
 
 
-@pytest.mark.parametrize("proposal", ["greedy", "sampled"])
+@pytest.mark.parametrize("proposal", ["greedy", "sampled", "sampled-sparse"])
 @pytest.mark.parametrize("wrong_rule", [always_accept_rule, bonus_without_residual_rule])
 def test_verify_level_check_rejects_a_wrong_acceptance_rule(proposal, wrong_rule):
     counts, _ = simulate_first_two_tokens(wrong_rule, proposal, CONTROL_TRIALS_A, seed=200)
@@ -344,28 +362,31 @@ def assert_follows_the_target_distribution(session, hf_model, sampling: dict) ->
     assert all(p > ALPHA for p in pvalues.values()), pvalues
 
 
-def always_accept_onehot(drafts, target_probs, generator):
-    """Wrong: keeps every greedy draft."""
-    return Verdict(drafts.shape[0], int(draw(target_probs[-1:], generator)[0]))
+def always_accept_matching(drafts, choices, layout) -> Verdicts:
+    """Wrong: keeps every greedy draft (the bonus is the last row's draw)."""
+    bonus = choices[layout.target_slots][:, -1:]
+    tokens = torch.cat([layout.pad_drafts(drafts), bonus], 1).scatter(1, layout.counts_t.unsqueeze(1), bonus)
+    return Verdicts(layout.counts_t, tokens)
 
 
-def rejection_without_residual(drafts, draft_probs, target_probs, generator):
+def rejection_without_residual(drafts, draft_probs, target_probs, uniforms, bonus_uniforms, layout) -> Verdicts:
     """Wrong, subtly: after a reject the bonus is a fresh draw from ``p_acc`` instead of the residual."""
-    verdict = accept_rejection(drafts, draft_probs, target_probs, generator)
-    if verdict.accepted == drafts.shape[0]:
-        return verdict
-    return Verdict(verdict.accepted, int(draw(target_probs[verdict.accepted:verdict.accepted + 1], generator)[0]))
+    verdicts = accept_rejection(drafts, draft_probs, target_probs, uniforms, bonus_uniforms, layout)
+    fresh = draw(target_probs[layout.target_offsets + verdicts.accepted], bonus_uniforms)
+    rejected = verdicts.accepted < layout.counts_t
+    bonus = torch.where(rejected, fresh, verdicts.tokens.gather(1, verdicts.accepted.unsqueeze(1)).squeeze(1))
+    return Verdicts(verdicts.accepted, verdicts.tokens.scatter(1, verdicts.accepted.unsqueeze(1), bonus.unsqueeze(1)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("rule_name", "wrong_rule", "proposal"), [
-    ("accept_onehot", always_accept_onehot, "greedy"),
+    ("accept_matching", always_accept_matching, "greedy"),
     ("accept_rejection", rejection_without_residual, "sampled"),
 ])
 def test_session_check_rejects_a_wrong_acceptance_rule(tiny_pair, monkeypatch, rule_name, wrong_rule, proposal):
-    """Negative control: the loop run with a wrong rule fails the same check, even with fewer samples."""
+    """Negative control: the step run with a wrong rule fails the same check, even with fewer samples."""
     session, hf_model = tiny_pair
-    monkeypatch.setattr(loop, rule_name, wrong_rule)
+    monkeypatch.setattr(step, rule_name, wrong_rule)
     counts, _ = sample_first_tokens(session, CONTROL_TRIALS_B, temperature=1.0, proposal=proposal)
     pvalues = pair_pvalues(counts, exact_joint(hf_model, 1.0, 0, 1.0))
     assert min(pvalues.values()) < ALPHA, pvalues

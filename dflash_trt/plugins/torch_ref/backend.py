@@ -16,11 +16,13 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import ConfigError
-from dflash_trt.plugins.interface import DraftRow, TargetRow
+from dflash_trt.model.candidate_selector import sampled_choice
+from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, SlotCaches
 from dflash_trt.model.frames import uses_frames
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
@@ -111,15 +113,11 @@ class TorchBackend(SlotCaches):
             compiled = self._target_compiled(rows, with_taps, bucket(len(rows)), bucket(width))
             if compiled is not None:
                 return compiled
+        tokens = self._token_matrix(rows)
         if len(rows) == 1 and rows[0].slot == 0:
-            return [self.target(torch.tensor([rows[0].tokens], device=self.device), rows[0].start, with_taps,
-                                rows[0].last_only)]
+            return [self.target(tokens, rows[0].start, with_taps, rows[0].last_only)]
         layout = TargetLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
                               tuple(len(r.tokens) for r in rows))
-        tokens = torch.zeros(len(rows), layout.width, dtype=torch.long)
-        for index, row in enumerate(rows):
-            tokens[index, :len(row.tokens)] = torch.tensor(row.tokens)
-        tokens = tokens.to(self.device)
         logits, taps = self.target_model(tokens, layout, self.target_cache, self.tap_ids if with_taps else ())
         return [(logits[i, len(r.tokens) - 1:len(r.tokens)] if r.last_only else logits[i, :len(r.tokens)],
                  taps[i, :len(r.tokens)] if taps is not None else None) for i, r in enumerate(rows)]
@@ -136,6 +134,37 @@ class TorchBackend(SlotCaches):
                 return compiled
         if len(rows) == 1 and rows[0].slot == 0:
             return [self.draft(torch.tensor([rows[0].block], device=self.device), rows[0].taps, rows[0].start)]
+        logits = self.draft_model.logits(self._draft_hidden(rows), self.target_model.lm_head.weight)
+        return [logits[i, :len(r.block) - 1] for i, r in enumerate(rows)]
+
+    @torch.inference_mode()
+    def propose_batch(self, rows: list[DraftRow]) -> list[DraftProposal]:
+        """DFlash2: the eager draft forward, then one selector walk over every row (docs/algorithm.md §2.11). The
+        compiled forwards return logits only, so a DFlash2 drafter always drafts eagerly."""
+        assert self.draft_model is not None and self.draft_model.candidate_selector is not None, "a DFlash2 drafter"
+        hidden = self._draft_hidden(rows)  # [B, W-1, H]
+        slots = hidden.shape[1]
+        temperatures = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=self.device)
+        uniforms = torch.zeros(len(rows), slots, device=self.device)
+        for index, row in enumerate(rows):
+            if row.uniforms is not None:
+                uniforms[index, :row.uniforms.shape[0]] = row.uniforms
+        anchors = torch.tensor([r.block[0] for r in rows], device=self.device)
+        walk = self.draft_model.propose(hidden, self.target_model.lm_head.weight, anchors,
+                                        sampled_choice(temperatures, uniforms))
+        probs = walk.probabilities(temperatures.clamp_min(1e-30))  # rows at T = 0 read None below
+        return [DraftProposal(walk.tokens[i, :n], walk.candidates[i, :n], probs[i, :n] if r.temperature > 0 else None)
+                for i, (r, n) in enumerate((r, len(r.block) - 1) for r in rows)]
+
+    def _draft_hidden(self, rows: list[DraftRow]) -> Tensor:
+        """The eager draft forward of ``rows`` (their draft caches cropped back to ``start`` after it): normed hidden
+        states of block slots 1.., ``[B, W-1, H]`` (a row's slots past its own block are padding)."""
+        if len(rows) == 1 and rows[0].slot == 0:
+            block = torch.tensor([rows[0].block], device=self.device)
+            hidden = self.draft_model(self._block_embeds(block), rows[0].taps.unsqueeze(0), rows[0].start,
+                                      self.draft_cache)
+            self.draft_cache.crop(rows[0].start)
+            return hidden
         layout = DraftLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
                              tuple(r.taps.shape[0] for r in rows), tuple(len(r.block) for r in rows))
         blocks = torch.zeros(len(rows), layout.block_width, dtype=torch.long)
@@ -146,10 +175,15 @@ class TorchBackend(SlotCaches):
             if row.taps.shape[0]:
                 taps[index, layout.context_width - row.taps.shape[0]:] = row.taps  # right-aligned context
         hidden = self.draft_model(self._block_embeds(blocks.to(self.device)), taps, layout, self.draft_cache)
-        logits = self.draft_model.logits(hidden, self.target_model.lm_head.weight)
         for row in rows:
             self.draft_cache.crop_slot(row.slot, row.start)
-        return [logits[i, :len(r.block) - 1] for i, r in enumerate(rows)]
+        return hidden
+
+    def _token_matrix(self, rows: list[TargetRow]) -> Tensor:
+        """``[B, T]`` int64 tokens on the device, right-padded with 0. A verify row's tokens are already a tensor
+        there (built from the drafts without reading them back); a prompt's list is copied over."""
+        tokens = [torch.as_tensor(row.tokens, dtype=torch.long, device=self.device) for row in rows]
+        return tokens[0].unsqueeze(0) if len(tokens) == 1 else pad_sequence(tokens, batch_first=True)
 
     def _block_embeds(self, block: Tensor) -> Tensor:
         return F.embedding(block, self.target_model.embed_tokens.weight) * self.draft_config.input_embedding_scale
@@ -165,7 +199,7 @@ class TorchBackend(SlotCaches):
         positions = torch.full((batch, width), cache.pad_position, dtype=torch.long)
         slots = torch.full((batch,), rows[0].slot, dtype=torch.long)  # padding rows: pad position of a used slot
         for index, row in enumerate(rows):
-            tokens[index, :len(row.tokens)] = torch.tensor(row.tokens)
+            tokens[index, :len(row.tokens)] = torch.as_tensor(row.tokens)
             positions[index, :len(row.tokens)] = torch.arange(row.start, row.start + len(row.tokens))
             slots[index] = row.slot
         tap_ids = self.tap_ids if with_taps else ()

@@ -1,0 +1,132 @@
+"""One batched step (dflash_trt/runtime/step.py): one host read per step, measurement only when subscribed.
+
+The host-read count wraps every way torch hands a tensor's values to Python (``item``, ``tolist``, ``cpu``,
+``numpy``/``__array__``, ``int()``/``float()``/``bool()``/``__index__``, and ``to`` a CPU device from another) while
+the scheduler's worker runs a step, on the torch backend, and requires exactly one per step: the verdicts' transfer.
+On a GPU every such read is a device sync; one per step means nothing waits between the draft and the verify calls.
+(Reads inside torch's C++ ops are not seen here; the step uses none that sync on CUDA: no boolean-mask indexing,
+``nonzero`` or data-dependent shapes.)
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dflash_trt.config import SamplingParams
+from dflash_trt.runtime.policy import SpeculationConfig
+from dflash_trt.runtime.session import Session
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went", "One day, a bird"]
+READS = ("item", "tolist", "cpu", "numpy", "__array__", "__int__", "__float__", "__bool__", "__index__")
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    """Static and ``auto`` sessions of the embedded pair with 16 slots (torch backend, eager)."""
+    static = Session.from_checkpoints(max_batch=16)
+    auto = Session.from_checkpoints(max_batch=16, speculation=SpeculationConfig(mode="auto"))
+    yield {"static": static, "auto": auto}
+    static.close()
+    auto.close()
+
+
+class HostReads:
+    """Counts the host reads of tensors made by the scheduler's worker during each ``Scheduler._step``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, session: Session) -> None:
+        self.per_step: list[int] = []
+        self.what: list[list[str]] = []
+        self._inside = threading.local()
+        scheduler = session._scheduler
+        step = scheduler._step
+
+        def counted_step() -> None:
+            self._inside.reads = []
+            try:
+                step()
+            finally:
+                reads, self._inside.reads = self._inside.reads, None
+                self.per_step.append(len(reads))
+                self.what.append(reads)
+
+        monkeypatch.setattr(scheduler, "_step", counted_step)
+        for name in READS:
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        to = torch.Tensor.to
+
+        def counted_to(tensor, *args, **kwargs):
+            moved = to(tensor, *args, **kwargs)
+            if moved.device.type == "cpu" and tensor.device.type != "cpu":
+                self._note("to")
+            return moved
+
+        monkeypatch.setattr(torch.Tensor, "to", counted_to)
+
+    def _note(self, name: str) -> None:
+        reads = getattr(self._inside, "reads", None)
+        if reads is not None:
+            reads.append(name)
+
+    def _wrap(self, name: str, method):
+        def counted(tensor, *args, **kwargs):
+            self._note(name)
+            return method(tensor, *args, **kwargs)
+
+        return counted
+
+
+def requests(batch: int, sampled: bool) -> list[tuple[str, SamplingParams]]:
+    """``batch`` requests; sampled ones alternate greedy proposals (one-hot rejection) and sampled proposals
+    (standard rejection), so a batch mixes both rules and their groups."""
+    out = []
+    for index in range(batch):
+        params = SamplingParams(max_new_tokens=24, stop_token_ids=(), seed=index,
+                                temperature=0.8 if sampled else 0.0,
+                                proposal="sampled" if sampled and index % 2 == 0 else "greedy")
+        out.append((PROMPTS[index % len(PROMPTS)], params))
+    return out
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("mode", ["static", "auto"])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_a_step_reads_the_device_once_at_every_batch_size(sessions, monkeypatch, batch, mode, sampled):
+    session = sessions[mode]
+    reads = HostReads(monkeypatch, session)
+    handles = [session.submit(prompt, params) for prompt, params in requests(batch, sampled)]
+    results = [handle.result() for handle in handles]
+    monkeypatch.undo()
+    assert all(len(result.token_ids) == 24 for result in results)
+    assert reads.per_step, "no step ran"
+    assert all(count == 1 for count in reads.per_step), [w for w in reads.what if len(w) != 1][:3]
+    assert reads.what[0] == ["tolist"]  # the verdicts' transfer
+    if mode == "static":  # every cycle drafted, with the embedded drafter's block of 16
+        assert max(max(r.stats.draft_lens_used) for r in results) == 15
+
+
+def test_static_speculation_times_nothing_and_feeds_no_cost_model(monkeypatch):
+    """Measurement sits beside the step: with no subscriber, a static session never reads the clock in a step and
+    its cost model stays empty; ``measure_costs`` subscribes it, and then every step feeds it."""
+    with Session.from_checkpoints(max_batch=4) as session:
+        scheduler = session._scheduler
+        reads = []
+        monkeypatch.setattr(scheduler, "clock", lambda: reads.append(1) or 0.0)
+        session.generate(PROMPTS[0], SamplingParams(max_new_tokens=20, stop_token_ids=()))
+        assert reads == [] and not scheduler.subscribers
+        assert not any(session.costs.mark().values())  # nothing measured
+        session.measure_costs()
+        result = session.generate(PROMPTS[0], SamplingParams(max_new_tokens=20, stop_token_ids=()))
+        assert reads
+        assert sum(session.costs.mark().values()) >= 2 * len(result.stats.acceptance_lengths)
+
+
+def test_auto_speculation_feeds_the_cost_model_and_the_planner_from_the_report():
+    with Session.from_checkpoints(max_batch=2, speculation=SpeculationConfig(mode="auto")) as session:
+        before = sum(session.costs.mark().values())
+        results = [h.result() for h in [session.submit(p, SamplingParams(max_new_tokens=24, stop_token_ids=()))
+                                        for p in PROMPTS[:2]]]
+        assert sum(session.costs.mark().values()) > before
+        assert session._scheduler.prior.drafted == sum(r.stats.num_draft_tokens for r in results)
