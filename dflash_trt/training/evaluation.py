@@ -6,6 +6,9 @@ number of new tokens; greedy by default, or sampled at a temperature with either
 ``1000 * repeat + prompt index``). Counters of all prompts are merged, so τ is the mean of the
 per-cycle acceptance lengths over every cycle of every prompt (the bonus token included).
 Prompts that leave no room for ``max_new_tokens`` in the target's context are skipped and counted.
+A DFlash2 drafter is measured with ``walk_eval.py``'s loop, which proposes with its candidate selector
+(docs/algorithm.md §2.11) and follows the runtime's cycle rules; the serving runtime here proposes each slot's
+argmax, which is lossless but not the drafter's proposal.
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ def evaluate(target: TargetModel, draft: DraftHead, prompts: Sequence[str | Sequ
         limit = min(limit, max(lengths, default=0) + max_new_tokens) if lengths else limit
     session = Session(pair, max_seq_len=max(limit, 1))
     repeats = seeds if temperature > 0 else 1
+    if draft.candidate_selector is not None:
+        return _evaluate_dflash2(session, target, draft, prompts, block_len, max_new_tokens, temperature, top_p,
+                                 proposal, repeats)
     total = SpecStats()
     per_prompt: list[float] = []
     skipped = 0
@@ -115,3 +121,37 @@ def evaluate(target: TargetModel, draft: DraftHead, prompts: Sequence[str | Sequ
                       num_skipped=skipped, num_output_tokens=total.num_output_tokens, block_len=block_len,
                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, proposal=proposal,
                       seeds=repeats)
+
+
+def _evaluate_dflash2(session: Session, target: TargetModel, draft: DraftHead, prompts: Sequence[str | Sequence[int]],
+                      block_len: int, max_new_tokens: int, temperature: float, top_p: float,
+                      proposal: Literal["greedy", "sampled"], repeats: int) -> EvalReport:
+    """:func:`evaluate` for a DFlash2 drafter, through ``walk_eval.speculative_decode`` (module docstring)."""
+    from dflash_trt.training.walk_eval import WalkStats, speculative_decode
+
+    if top_p != 1.0:
+        raise TrainingError(f"eval: --top-p is {top_p} with a DFlash2 drafter; expected 1 (this evaluation of the "
+                            "selector's sparse proposals samples from the full target distribution). Fix: drop --top-p.")
+    stop_ids = frozenset(target.config.eos_token_ids)
+    total, per_prompt, skipped = WalkStats(), [], 0
+    for index, prompt in enumerate(prompts):
+        ids = session.encode(prompt)
+        if len(ids) + max_new_tokens > session.max_seq_len:
+            skipped += 1
+            continue
+        prompt_stats = WalkStats()
+        for repeat in range(repeats):
+            _, stats = speculative_decode(target, draft, ids, max_new_tokens, stop_ids=stop_ids, temperature=temperature,
+                                          proposal=proposal, seed=REPEAT_SEED_STRIDE * repeat + index,
+                                          block_len=block_len)
+            prompt_stats = prompt_stats.merge(stats)
+        per_prompt.append(prompt_stats.tau)
+        total = total.merge(prompt_stats)
+    if not per_prompt:
+        raise TrainingError(f"eval: all {skipped} prompts are longer than the context ({session.max_seq_len}) minus "
+                            f"max_new_tokens ({max_new_tokens}); expected at least one that fits. Fix: pass a "
+                            "smaller --max-new-tokens or shorter prompts.")
+    return EvalReport(tau=total.tau, per_position=total.per_position, histogram=total.histogram,
+                      per_prompt_tau=per_prompt, num_prompts=len(per_prompt), num_skipped=skipped,
+                      num_output_tokens=total.output_tokens, block_len=block_len, max_new_tokens=max_new_tokens,
+                      temperature=temperature, top_p=top_p, proposal=proposal, seeds=repeats)

@@ -47,6 +47,7 @@ class WalkStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    histogram: list[int] = field(default_factory=list)  # [j]: cycles that accepted exactly j drafts
     draft_times: list[float] = field(default_factory=list)  # seconds of each draft call
     target_seconds: float = 0.0
     output_tokens: int = 0
@@ -73,19 +74,21 @@ class WalkStats:
         self.acceptance_lengths.append(produced)
         for counts in (self.accepted_per_position, self.drafted_per_position):
             counts.extend([0] * (drafted - len(counts)))
+        self.histogram.extend([0] * (drafted + 1 - len(self.histogram)))
+        self.histogram[accepted] += 1
         for position in range(drafted):
             self.drafted_per_position[position] += 1
             self.accepted_per_position[position] += position < accepted
 
     def merge(self, other: WalkStats) -> WalkStats:
-        width = max(len(self.drafted_per_position), len(other.drafted_per_position))
-
-        def padded(values: list[int]) -> list[int]:
-            return values + [0] * (width - len(values))
+        def added(mine: list[int], theirs: list[int]) -> list[int]:
+            width = max(len(mine), len(theirs))
+            return [a + b for a, b in zip(mine + [0] * (width - len(mine)), theirs + [0] * (width - len(theirs)))]
 
         return WalkStats(self.acceptance_lengths + other.acceptance_lengths,
-                         [a + b for a, b in zip(padded(self.accepted_per_position), padded(other.accepted_per_position))],
-                         [a + b for a, b in zip(padded(self.drafted_per_position), padded(other.drafted_per_position))],
+                         added(self.accepted_per_position, other.accepted_per_position),
+                         added(self.drafted_per_position, other.drafted_per_position),
+                         added(self.histogram, other.histogram),
                          self.draft_times + other.draft_times, self.target_seconds + other.target_seconds, self.output_tokens + other.output_tokens)
 
 

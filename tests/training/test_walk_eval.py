@@ -67,3 +67,17 @@ def test_sparse_rejection_of_one_slot_yields_the_targets_distribution():
         counts[int(token) if accepted else bonus] += 1
     assert torch.allclose(counts / draws, p, atol=0.02), (counts / draws).tolist()
     assert counts[5] == 0
+
+
+def test_evaluate_measures_a_dflash2_drafter_with_its_selector_and_agrees_with_the_runtime_at_the_no_op(pair):
+    from dflash_trt.training.evaluation import evaluate
+    from dflash_trt.training.trainer import dflash2_from_dflash
+
+    target, heads, prompts = pair
+    extended = dflash2_from_dflash(heads["dflash"], heads["dflash2"].config, seed=0).eval()
+    through_runtime = evaluate(target, heads["dflash"], prompts[:4], max_new_tokens=24)
+    through_loop = evaluate(target, extended, prompts[:4], max_new_tokens=24)
+    assert through_loop.to_dict() == through_runtime.to_dict()
+    trained = evaluate(target, heads["dflash2"], prompts[:4], max_new_tokens=24)
+    walked = [speculative_decode(target, heads["dflash2"], p, 24)[1].tau for p in prompts[:4]]
+    assert trained.per_prompt_tau == walked
