@@ -29,7 +29,7 @@ from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import BackendUnavailableError
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, SlotCaches, StaticKVCache
 from dflash_trt.plugins.graph_rows import GraphRows, pack_target
-from dflash_trt.plugins.interface import DraftRow, TargetRow, host_tokens
+from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow
 from dflash_trt.model.memory import require_fit
 
 if TYPE_CHECKING:
@@ -138,8 +138,8 @@ class OrtBackend(SlotCaches):
         self._rows = GraphRows(max_batch, max_seq_len, taps, torch.device("cpu"))
 
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
-        """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None."""
-        rows = host_tokens(rows)  # numpy inputs
+        """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None. A row's
+        tokens are a list or an int64 tensor (a verify row)."""
         if isinstance(self._target, _InPlaceTarget):
             return self._target.run_rows(rows, with_taps)
         return self._rows.target(self._target, self.target_cache, rows, with_taps)
@@ -150,6 +150,12 @@ class OrtBackend(SlotCaches):
         if self.graphs.drafter == "plugin":  # checks the custom op's parity on ONNX Runtime; not a fast path
             return self._rows.draft_plugin(self._draft, self.draft_cache, rows)
         return self._rows.draft(self._draft, self.draft_cache, rows)
+
+    def propose_batch(self, rows: list[DraftRow]) -> list[DraftProposal]:
+        """A DFlash2 drafter (the manifest's ``graphs.proposals`` is ``selector``): the draft call with the candidate
+        selector walked in the graph, every row at once (greedy rows and sampled ones with their uniforms)."""
+        assert self._draft is not None and self.graphs.proposals == "selector", "propose_batch() needs a DFlash2 graph"
+        return self._rows.propose(self._draft, self.draft_cache, rows)
 
 
 class _Binding:

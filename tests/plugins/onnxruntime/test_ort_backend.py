@@ -204,3 +204,16 @@ def test_an_engine_sessions_drafter_path_is_a_loadable_drafter_folder(engine):
         folder = session.pair.draft_path
         assert folder != engine and (folder / "config.json").is_file()
         assert load_draft(folder).config == session.pair.draft.config
+
+
+def test_verify_rows_whose_tokens_are_tensors_match_rows_of_lists(engine):
+    pair = Session.load(engine, "torch").pair
+    backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx",
+                         engine / "onnx" / "draft.onnx", 512, max_batch=2, graphs=ENGINE_GRAPHS)
+    results = []
+    for tokens in ([9, 5, 6], torch.tensor([9, 5, 6])):
+        for slot in (0, 1):
+            backend.reset_slot(slot)
+        backend.target_batch([TargetRow(0, PROMPTS[0], 0), TargetRow(1, PROMPTS[1], 0)], False)
+        results.append(backend.target_batch([TargetRow(0, tokens, 7), TargetRow(1, [7, 8], 3)], True))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(*results))
