@@ -147,16 +147,6 @@ def test_save_then_load_round_trips_and_the_pair_loads(zoo, dflash2_dir, tmp_pat
     assert pair.draft.config.architecture == "dflash2"
 
 
-def test_an_engine_build_with_a_dflash2_drafter_is_refused_with_the_fix(zoo, dflash2_dir, tmp_path):
-    from dflash_trt.builder.engine import BuildConfig, build_engine
-    from dflash_trt.errors import ConfigError
-
-    config = BuildConfig(target=zoo.target(TARGET), draft=dflash2_dir, backend="onnxruntime", out=tmp_path / "e")
-    with pytest.raises(ConfigError, match=r"DFlash2 drafter.*Fix: run the pair from its checkpoints"):
-        build_engine(config)
-    assert not (tmp_path / "e").exists()
-
-
 def test_inspect_describes_a_dflash2_drafter(zoo, dflash2_dir):
     from dflash_trt.builder.inspect import describe_checkpoint
 

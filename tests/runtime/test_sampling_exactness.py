@@ -8,7 +8,7 @@ Statistical method. Every check is Pearson's chi-square goodness-of-fit test of 
 against the *exact* target distribution (cells with an expected count below 5 are pooled; a token
 with zero target probability that is ever emitted fails outright). A check fails when its p-value is
 below ``ALPHA = 1e-3``: for a correct implementation each check raises a false alarm with probability
-1e-3, so the 41 checks of this file that expect a pass (the session-level ones on torch eager, torch static
+1e-3, so the 47 checks of this file that expect a pass (the session-level ones on torch eager, torch static
 shapes and an ONNX Runtime engine) together stay below 5%. All random streams are seeded, so the outcome is
 deterministic: a failure is a reproducible bug, not noise. The negative controls feed
 deliberately wrong acceptance rules (always accept; bonus drawn from ``p`` instead of the residual)
@@ -22,6 +22,9 @@ through the *same* check and require it to reject them, which shows the sample s
     into an ONNX Runtime engine. Exact: the target's
     joint distribution of the first 4 generated tokens, enumerated with transformers over all 8**3
     prefixes and pushed through an independent float64 re-implementation of the T/top-k/top-p transform.
+(c) The same with a DFlash2 drafter (random block convolutions, a candidate selector over the top 3 of 8
+    tokens): selector paths with standard rejection against the sparse ``q``, and greedy paths with one-hot
+    rejection; the negative control subtracts ``q`` at the wrong ids in the residual.
 """
 
 from __future__ import annotations
@@ -388,5 +391,71 @@ def test_session_check_rejects_a_wrong_acceptance_rule(tiny_pair, monkeypatch, r
     session, hf_model = tiny_pair
     monkeypatch.setattr(step, rule_name, wrong_rule)
     counts, _ = sample_first_tokens(session, CONTROL_TRIALS_B, temperature=1.0, proposal=proposal)
+    pvalues = pair_pvalues(counts, exact_joint(hf_model, 1.0, 0, 1.0))
+    assert min(pvalues.values()) < ALPHA, pvalues
+
+
+# ============================================================================ (c) DFlash2: sparse proposals
+
+@pytest.fixture(scope="module")
+def dflash2_pair(tiny_checkpoints):
+    """``(session, hf_model)`` with a DFlash2 drafter: the informative drafter above with random block convolutions
+    (far enough from the identity to change its logits, near enough to keep every acceptance length) and a random
+    candidate selector proposing from the top 3 of the 8 tokens, so ``q`` is sparse (docs/algorithm.md §3.4 C). Torch
+    eager only: a DFlash2 drafter always drafts eagerly (``TorchBackend.propose_batch``)."""
+    from dflash_trt.formats.draft_checkpoint import load_draft_checkpoint, save_draft_checkpoint
+    from dflash_trt.formats.load import load_pair
+    from dflash_trt.model.draft_head import DraftHead
+    from dflash_trt.runtime.session import Session
+
+    root, hf_model = tiny_checkpoints
+    if not (root / "draft2").exists():
+        head = load_draft_checkpoint(root / "draft")
+        config = head.config.model_copy(update={"architecture": "dflash2", "conv_kernel_size": 2,
+                                                "conv_group_size": 8, "selector_rank": 4,
+                                                "selector_top_k": SPARSE_SUPPORT})
+        config = type(config).model_validate(config.model_dump())
+        torch.manual_seed(2)
+        head2 = DraftHead(config)
+        head2.load_state_dict(head.state_dict(), strict=False)  # the DFlash weights; the new parts below
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for layer in head2.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.add_(0.2 * torch.randn(conv.base_kernel.shape, generator=generator))
+                    conv.kernel_projection.weight.normal_(0.0, 0.05, generator=generator)
+            for table in (head2.candidate_selector.predecessor_codebook, head2.candidate_selector.successor_codebook):
+                table.weight.normal_(0.0, 0.6, generator=generator)
+        save_draft_checkpoint(head2, root / "draft2")
+    return Session(load_pair(root / "target", root / "draft2"), max_seq_len=32), hf_model
+
+
+DFLASH2_SETTINGS = [
+    pytest.param({"temperature": 0.8, "top_p": 0.85, "proposal": "sampled"}, id="T0.8-topp0.85-sampled"),
+    pytest.param({"temperature": 1.0, "proposal": "greedy"}, id="T1-greedy"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", DFLASH2_SETTINGS)
+def test_dflash2_session_output_follows_the_target_distribution(dflash2_pair, sampling):
+    """Sampled paths of the selector with standard rejection against the sparse ``q``, and greedy paths with one-hot
+    rejection, both emit the target's distribution."""
+    assert_follows_the_target_distribution(*dflash2_pair, sampling)
+
+
+def dense_without_support(self, slots, vocab):
+    """Wrong, subtly: the residual subtracts a sparse ``q`` at ids ``0..k-1`` instead of at its support."""
+    slots = slots.clamp(0, self.probs.shape[0] - 1)
+    wrong = self.probs.new_zeros(slots.shape[0], vocab)
+    wrong[:, :self.probs.shape[1]] = self.probs[slots]
+    return wrong
+
+
+@pytest.mark.slow
+def test_dflash2_check_rejects_a_residual_that_ignores_the_support(dflash2_pair, monkeypatch):
+    session, hf_model = dflash2_pair
+    monkeypatch.setattr(DraftProbs, "dense", dense_without_support)
+    counts, _ = sample_first_tokens(session, CONTROL_TRIALS_B, temperature=1.0, proposal="sampled")
     pvalues = pair_pvalues(counts, exact_joint(hf_model, 1.0, 0, 1.0))
     assert min(pvalues.values()) < ALPHA, pvalues
