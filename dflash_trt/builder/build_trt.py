@@ -9,7 +9,8 @@ creation flag, TensorRT 11 and RTX have no other mode (docs/serving-notes.md §0
 
 ``build_plans`` is the engine step: on a GPU machine with TensorRT it builds ``tensorrt/target.plan``
 and ``tensorrt/draft.plan`` (the plugin graph with ``libdflash_plugins.so``, or the standard-op graph
-when the plugin cannot be built) and stamps SM, TensorRT version and plugin ABI; elsewhere it checks
+when the plugin cannot be built or the drafter is a DFlash2 one, whose candidate selector only that graph
+walks) and stamps SM, TensorRT version and plugin ABI; elsewhere it checks
 the plugin-free graphs with TensorRT-RTX when installed and states, in the checks, what it could not build.
 """
 
@@ -56,6 +57,9 @@ def graph_profiles(pair, limits: GraphLimits) -> dict[str, Profile]:
                              "taps": ((1, 1, width), (1, block, width), (batch, seq, width)),
                              "context_positions": rows(block, seq), "cache_positions": live,
                              "cache_lengths": lengths, **slot_caches(d.num_layers, d.num_kv_heads, d.head_dim)}
+        if d.architecture == "dflash2":  # the selector walk's inputs (export_onnx.SelectorDraftGraph); no plugin graph
+            profiles["draft"] |= {"temperature": lengths, "uniforms": ((1, 1), (1, block - 1), (batch, block - 1))}
+            return profiles
         n, heads, dim = d.num_layers, d.num_kv_heads, d.head_dim
         past = ((n, 1, heads, 0, dim), (n, 1, heads, seq // 2, dim), (n, batch, heads, seq - 1, dim))
         profiles["draft_plugin"] = {"block": blocks, "taps": ((1, 1, width), (1, block, width), (batch, seq, width)),
@@ -135,7 +139,10 @@ def _gpu_build(work: Path, pair, limits: GraphLimits, gpu) -> tuple[Any, dict[st
     out.mkdir(exist_ok=True)
     checks: dict[str, str] = {}
     library = None
-    if pair.draft is not None:
+    if pair.draft is not None and pair.draft.candidate_selector is not None:
+        checks["plugin_library"] = ("not built: a DFlash2 drafter's plan is built from the standard-op draft.onnx "
+                                    "(the plugin-node graph is exported for DFlash drafters only)")
+    elif pair.draft is not None:
         try:
             library = build_plugin_library(out, (gpu.compute_capability.replace(".", ""),))
             checks["plugin_library"] = f"built {library.name} for SM {gpu.compute_capability}"

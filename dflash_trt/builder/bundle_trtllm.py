@@ -210,6 +210,22 @@ def validate_options(options: dict[str, Any], drafter_block_size: int, source: s
     return parsed
 
 
+DFLASH2_UNSERVED = (
+    "TensorRT-LLM serves DFlash drafters (decoding_type: DFlash) and has no DFlash2 decoding mode: it would not run "
+    "the block convolutions and the candidate selector of a DFlash2DraftModel")
+"""Why a bundle cannot take a DFlash2 drafter (quoted by ``build --backend trtllm`` and ``inspect``)."""
+DFLASH2_ALTERNATIVES = (
+    "serve it with this tool's onnxruntime, tensorrt or torch backend (`dflash-trt build --backend onnxruntime` or "
+    "`--backend tensorrt`, or `dflash-trt serve --target T --draft D`), or with vLLM or SGLang, which serve DFlash2 "
+    "drafters; a TensorRT-LLM bundle needs a DFlash drafter")
+
+
+def refuse_dflash2(draft: Path | None) -> None:
+    """``build --backend trtllm`` with a DFlash2 drafter: refused before anything is written."""
+    raise ConfigError(f"{draft}: is a DFlash2 drafter (architectures ['DFlash2DraftModel']); expected a DFlash drafter "
+                      f"for --backend trtllm: {DFLASH2_UNSERVED}. Fix: {DFLASH2_ALTERNATIVES}.")
+
+
 def check_parallelism(pair, tp: int, pp: int) -> None:
     """Refuse a tensor/pipeline split the models cannot take (see :func:`check_split`); ``pair`` has ``.target.config``
     and ``.draft`` (None or with ``.config``)."""

@@ -225,7 +225,7 @@ def _write_engine_weights(target_source, target_cfg, draft_path: Path | None, dr
                           target_name: str) -> None:
     """``folder/target.safetensors`` (our tensor names) and ``folder/draft/`` (z-lab config.json + model.safetensors),
     each tensor in the dtype it is stored in: the torch backend loads them, the graphs read them as external data."""
-    from dflash_trt.formats.draft_checkpoint import draft_config_json
+    from dflash_trt.formats.draft_checkpoint import canonical_draft_names, draft_config_json
     from dflash_trt.formats.target_checkpoint import expected_tensors, ignored_hf_key
     from dflash_trt.formats.tensor_stream import TensorSource
     from dflash_trt.model.draft_head import DraftHead
@@ -239,8 +239,10 @@ def _write_engine_weights(target_source, target_cfg, draft_path: Path | None, dr
     if draft_path is None:
         return
     source = TensorSource.from_folder(draft_path)
+    # our name -> the stored one: a DFlash2 codebook may be stored without `.weight` (the released spelling)
+    canonical = canonical_draft_names({name: name for name in source.specs}, str(draft_path))
     _write_weights(source, DraftHead.without_weights(draft_cfg).state_dict(), folder / "draft" / "model.safetensors",
-                   str(draft_path))
+                   str(draft_path), key=lambda name: canonical.get(name, name))
     dtype = next(iter(source.specs.values()))[0] if source.specs else torch.float32
     (folder / "draft" / "config.json").write_text(json.dumps(
         draft_config_json(draft_cfg, str(dtype).removeprefix("torch.")), indent=2) + "\n")
@@ -351,13 +353,23 @@ def _checkpoint_configs(target: Path, draft: Path | None):
     draft_cfg = read_draft_config(draft) if draft is not None else None
     if draft_cfg is not None:
         validate_pair(target_cfg, draft_cfg, f"{target} + {draft}")
-    if draft_cfg is not None and draft_cfg.architecture == "dflash2":
-        # the engine graphs do not run the selector walk yet: an engine would propose argmax tokens instead
-        raise ConfigError(f"{draft}: is a DFlash2 drafter (DFlash2DraftModel); expected a DFlash drafter for an "
-                          "engine build (engines do not run DFlash2's candidate selector yet). Fix: run the pair "
-                          "from its checkpoints on the torch backend (`dflash-trt run --target T --draft D`), or "
-                          "build the engine with a DFlash drafter.")
     return target_cfg, draft_cfg
+
+
+def _check_dflash2(config: BuildConfig, draft: Path | None, draft_cfg) -> None:
+    """Refuse what a DFlash2 drafter cannot be built into: a TensorRT-LLM bundle, and the plugin-node drafter graph
+    (``--drafter-graph plugin``); its proposals come from the candidate selector walked in ``draft.onnx``."""
+    if draft_cfg is None or draft_cfg.architecture != "dflash2":
+        return
+    if config.backend == "trtllm":
+        from dflash_trt.builder.bundle_trtllm import refuse_dflash2
+
+        refuse_dflash2(draft)
+    if config.drafter_graph == "plugin":
+        from dflash_trt.builder.export_onnx import DFLASH2_PLUGIN_REFUSAL
+
+        raise ConfigError(f"{draft}: field `drafter_graph` is 'plugin' with a DFlash2 drafter (DFlash2DraftModel); "
+                          f"expected 'standard': {DFLASH2_PLUGIN_REFUSAL}. Fix: omit --drafter-graph.")
 
 
 def _stored_dtype(target: Path) -> str:
@@ -410,6 +422,7 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     draft_path = config.draft if config.draft is not None else (embedded_draft_path() if config.target is None
                                                                  else None)
     target_cfg, draft_cfg = step("read configs", lambda: _checkpoint_configs(target_path, draft_path))
+    _check_dflash2(config, draft_path, draft_cfg)
     max_seq_len = config.max_seq_len or min(target_cfg.max_position_embeddings, 8192)
     if max_seq_len > target_cfg.max_position_embeddings:
         raise RequestError(f"--max-seq-len is {max_seq_len}; expected <= the target's max_position_embeddings "
@@ -460,9 +473,11 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
     if config.backend in ("onnxruntime", "tensorrt"):
         drafter_graph = config.drafter_graph
         plugins = _export_graphs(pair, work, limits, config.backend, drafter_graph, step)
+        selector = pair.draft is not None and pair.draft.candidate_selector is not None  # DFlash2: walked in draft.onnx
         variants = GraphVariants(target="in_place" if config.backend == "onnxruntime" else "rows",
                                  drafter=None if pair.draft is None else
-                                 "plugin" if drafter_graph == "plugin" else "batched")
+                                 "plugin" if drafter_graph == "plugin" else "batched",
+                                 proposals="selector" if selector else "logits")
         stored_dtype = _dtype_name(work / "onnx" / "target.safetensors")
         backends.append("onnxruntime")
     if config.backend == "tensorrt":
@@ -528,6 +543,8 @@ def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_gr
     if pair.draft is None:
         return ()
     variants = ["standard", "plugin"] if backend == "tensorrt" else [drafter_graph]
+    if pair.draft.candidate_selector is not None:  # DFlash2: no plugin-node graph (export_onnx.DFLASH2_PLUGIN_REFUSAL)
+        variants = ["standard"]
     for variant in variants:
         name = "draft_plugin.onnx" if variant == "plugin" else "draft.onnx"
         step(f"export drafter ONNX ({variant})", lambda name=name, variant=variant: export_draft(

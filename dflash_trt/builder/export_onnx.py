@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from dflash_trt.model.draft_head import DraftHead
 from dflash_trt.model.block_attention import visible
+from dflash_trt.model.candidate_selector import sampled_choice
 from dflash_trt.model.layers import attend
 from dflash_trt.model.target import TargetModel
 
@@ -68,6 +69,14 @@ OPSET_ONNXRUNTIME = 23
 TARGET_OUTPUTS = ("logits", "taps", "new_keys", "new_values")
 DRAFT_OUTPUTS = ("draft_logits", "context_keys", "context_values")
 PLUGIN_DRAFT_INPUTS = ("block", "taps", "past_keys", "past_values")
+DFLASH2_PLUGIN_REFUSAL = (
+    "the plugin-node drafter graph (draft_plugin.onnx, DFlashBlockAttention nodes, one row per call) is exported for "
+    "DFlash drafters only: it returns logits, and a DFlash2 drafter's proposals come from its candidate selector, "
+    "which this version walks in the standard-op graph (draft.onnx)")
+"""Why a DFlash2 drafter gets no ``draft_plugin.onnx`` (``builder/engine.py`` quotes it with the fix)."""
+SELECTOR_DRAFT_INPUTS = ("temperature", "uniforms")
+SELECTOR_DRAFT_OUTPUTS = ("draft_tokens", "candidates", "proposal_probs", "context_keys", "context_values")
+"""A DFlash2 drafter's ``draft.onnx``: the selector walk's inputs and outputs (:class:`SelectorDraftGraph`)."""
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; larger graphs keep weights beside them
 _EXAMPLE_BATCH = 2  # an example dim of 1 would be specialised to a constant (docs/environment.md)
 
@@ -289,9 +298,10 @@ class DraftGraph(_DrafterGraph):
         _register_rope_tables(self, head.rotary)
 
     def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
-                cache_positions: Tensor, cache_lengths: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+                cache_positions: Tensor, cache_lengths: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         head = self.head
         layers = head.config.num_layers
+        draft_inputs, caches = rest[:len(rest) - 2 * layers], rest[len(rest) - 2 * layers:]  # selector inputs first
         key_cache, value_cache = list(caches[:layers]), list(caches[layers:])
         slots = key_cache[0].shape[2]
         queries = block_positions.unsqueeze(-1)  # [B, Bc, 1]
@@ -313,8 +323,44 @@ class DraftGraph(_DrafterGraph):
         embeds = self.embed_block(block)
         hidden = head.run_layers(embeds, taps, head.rotary.lookup(block_positions, embeds.dtype),
                                  head.rotary.lookup(context_positions, embeds.dtype), keys)
-        logits = head.logits(hidden[:, 1:], self.lm_head)
-        return logits, torch.stack(keys.new_keys, dim=1), torch.stack(keys.new_values, dim=1)
+        return self.proposals(block, hidden[:, 1:], draft_inputs) + (torch.stack(keys.new_keys, dim=1),
+                                                                    torch.stack(keys.new_values, dim=1))
+
+    def proposals(self, block: Tensor, hidden: Tensor, draft_inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """What the graph returns for the block's slots: ``draft_logits [B, Bc-1, V]``. Shapes: hidden ``[B, Bc-1, H]``
+        (normed, slots 1..)."""
+        return (self.head.logits(hidden, self.lm_head),)
+
+
+class SelectorDraftGraph(DraftGraph):
+    """A DFlash2 drafter's ``draft.onnx``: :class:`DraftGraph`'s network, then the candidate selector's walk in the
+    graph (docs/algorithm.md §2.11): top-k of each slot's logits, the low-rank pairwise score, and the walk from each
+    row's anchor unrolled over ``slots`` (the build's largest block minus one), greedy and sampled rows in one call.
+
+    Extra inputs: ``temperature [B]`` float32 (0: the best path) and ``uniforms [B, Bc-1]`` float32 (one per slot,
+    drawn by the runtime from each request's own generator; read only where the temperature is > 0). Outputs instead
+    of ``draft_logits``: ``draft_tokens [B, Bc-1]`` int64 (the path), ``candidates [B, Bc-1, k]`` int64 (best logit
+    first) and ``proposal_probs [B, Bc-1, k]`` float32 (``softmax(score / T)``; a row at T = 0 gets ``T = 1``'s,
+    which the runtime does not read). The walk is ``CandidateSelector.walk`` with ``sampled_choice``: the same
+    inversion rule as the torch backend, so both draw the same path from the same uniforms."""
+
+    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor, slots: int,
+                 fused: bool = False) -> None:
+        super().__init__(head, embed_weight, lm_head_weight, fused)
+        if head.candidate_selector is None:
+            raise ValueError("SelectorDraftGraph needs a DFlash2 drafter (a candidate selector)")
+        self.slots = slots
+
+    def proposals(self, block: Tensor, hidden: Tensor, draft_inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        temperature, uniforms = draft_inputs
+        count = hidden.shape[1]
+        # the walk is unrolled over a fixed number of slots: shorter blocks are padded, the padding's picks dropped
+        padded = F.pad(hidden, (0, 0, 0, self.slots - count))
+        logits = self.head.logits(padded, self.lm_head)
+        draws = F.pad(uniforms, (0, self.slots - uniforms.shape[1]))
+        walk = self.head.candidate_selector.walk(padded, logits, block[:, 0], sampled_choice(temperature, draws))
+        probs = walk.probabilities(torch.where(temperature > 0, temperature, torch.ones_like(temperature)))
+        return walk.tokens[:, :count], walk.candidates[:, :count], probs[:, :count]
 
 
 class PluginDraftGraph(_DrafterGraph):
@@ -609,11 +655,11 @@ def target_graph_io(num_layers: int, with_taps: bool) -> tuple[tuple[str, ...], 
     return inputs, TARGET_OUTPUTS if with_taps else tuple(n for n in TARGET_OUTPUTS if n != "taps")
 
 
-def draft_graph_io(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Input and output names of ``draft.onnx``."""
+def draft_graph_io(num_layers: int, selector: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Input and output names of ``draft.onnx`` (``selector``: a DFlash2 drafter's, :class:`SelectorDraftGraph`)."""
     inputs = (("block", "block_positions", "taps", "context_positions", "cache_positions", "cache_lengths")
-              + _per_layer(num_layers, "key_cache", "value_cache"))
-    return inputs, DRAFT_OUTPUTS
+              + (SELECTOR_DRAFT_INPUTS if selector else ()) + _per_layer(num_layers, "key_cache", "value_cache"))
+    return inputs, SELECTOR_DRAFT_OUTPUTS if selector else DRAFT_OUTPUTS
 
 
 def _per_layer(num_layers: int, *names: str) -> tuple[str, ...]:
@@ -658,7 +704,10 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
     """Write the drafter graph (float32): ``draft.onnx`` (every drafting row in one call, standard ops; RoPE and
     attention as single nodes at ``OPSET_ONNXRUNTIME``) or, with ``plugin``, ``draft_plugin.onnx``
     (``DFlashBlockAttention`` nodes, prefix I/O)."""
+    selector = head.candidate_selector is not None
     if plugin:
+        if selector:
+            raise ValueError(DFLASH2_PLUGIN_REFUSAL)
         return _export_plugin_draft(head, target, path, limits, weights)
     from torch.export import Dim
 
@@ -676,14 +725,22 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
             torch.arange(example_context, example_context + example_block).repeat(_EXAMPLE_BATCH, 1),
             torch.zeros(_EXAMPLE_BATCH, example_context, cfg.num_taps * cfg.hidden_size, dtype=dtype),
             torch.arange(example_context).repeat(_EXAMPLE_BATCH, 1), torch.arange(example_live),
-            torch.full((_EXAMPLE_BATCH,), 3)) + caches
-    graph = DraftGraph(head, target.embed_tokens.weight, target.lm_head.weight, fused=limits.opset >= OPSET_ONNXRUNTIME)
-    inputs, outputs = draft_graph_io(cfg.num_layers)
-    return _export(graph, args, inputs, outputs,
-                   {"block": {0: batch, 1: block}, "block_positions": {0: batch, 1: block},
-                    "taps": {0: batch, 1: context}, "context_positions": {0: batch, 1: context},
-                    "cache_positions": {0: live}, "cache_lengths": {0: batch},
-                    "caches": tuple({0: batch, 2: cache_len} for _ in caches)}, path, {}, limits.opset, weights)
+            torch.full((_EXAMPLE_BATCH,), 3))
+    fused = limits.opset >= OPSET_ONNXRUNTIME
+    dynamic = {"block": {0: batch, 1: block}, "block_positions": {0: batch, 1: block}, "taps": {0: batch, 1: context},
+               "context_positions": {0: batch, 1: context}, "cache_positions": {0: live}, "cache_lengths": {0: batch}}
+    if selector:
+        graph = SelectorDraftGraph(head, target.embed_tokens.weight, target.lm_head.weight,
+                                   max(limits.block_len, example_block) - 1, fused=fused)
+        args += (torch.linspace(0.0, 0.7, _EXAMPLE_BATCH), torch.rand(_EXAMPLE_BATCH, example_block - 1))
+        # uniforms [B, Bc-1]: a dim of their own (a derived dim block - 1 trips torch.export's constraint solver)
+        rest = ({0: batch}, {0: batch, 1: Dim("draws", min=1, max=graph.slots)})  # temperature, uniforms
+    else:
+        graph = DraftGraph(head, target.embed_tokens.weight, target.lm_head.weight, fused=fused)
+        rest = ()
+    dynamic["rest"] = rest + tuple({0: batch, 2: cache_len} for _ in caches)  # forward's *rest: then the caches
+    inputs, outputs = draft_graph_io(cfg.num_layers, selector)
+    return _export(graph, args + caches, inputs, outputs, dynamic, path, {}, limits.opset, weights)
 
 
 def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits,

@@ -150,6 +150,11 @@ class GraphVariants(BaseModel):
         description="batched: onnx/draft.onnx, every drafting row in one call with its own context length and masks; "
                     "plugin: onnx/draft_plugin.onnx (DFlashBlockAttention nodes, prefix I/O, one row per call); "
                     "null without a drafter.")
+    proposals: Literal["logits", "selector"] = Field(
+        default="logits",
+        description="What the drafter graph returns. logits: draft_logits (a DFlash drafter: the runtime takes their "
+                    "argmax or samples them); selector: a DFlash2 drafter's candidate-selector walk in the graph "
+                    "(inputs temperature and uniforms; outputs draft_tokens, candidates and proposal_probs).")
 
 
 class DFlashSettings(BaseModel):
@@ -220,6 +225,11 @@ def graphs_refusal(manifest: Manifest, folder: Path | None = None) -> str | None
         return (f"field `graphs` is null (a --backend {manifest.build.backend} build); expected the graphs of an "
                 "onnxruntime or tensorrt build. Fix: build one with `dflash-trt build --backend onnxruntime --out "
                 "engines/NAME` (plus the same --target and --draft)")
+    dflash2 = manifest.draft_config is not None and manifest.draft_config.architecture == "dflash2"
+    if dflash2 and manifest.graphs.drafter is not None and manifest.graphs.proposals != "selector":
+        return (f"field `graphs.proposals` is {manifest.graphs.proposals!r} with a DFlash2 drafter; expected "
+                f"'selector' (its graph must walk the candidate selector, or it would propose other tokens than the "
+                f"drafter's). Fix: rebuild it with `{rebuild}`")
     return None
 
 

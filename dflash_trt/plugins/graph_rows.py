@@ -9,6 +9,8 @@ drafter that runs one row per call. Nothing here reads a device tensor back to t
 
 * :meth:`GraphRows.target`: ``target.onnx``, every row in one call; it returns each row's new K/V.
 * :meth:`GraphRows.draft`: ``draft.onnx``, every drafting row in one call, each with its own context length.
+* :meth:`GraphRows.propose`: a DFlash2 drafter's ``draft.onnx``, the same call with the candidate selector walked in
+  the graph (each row's temperature and uniforms in, its path, candidates and proposal probabilities out).
 * :meth:`GraphRows.draft_plugin`: ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O), one row per
   call, since the op's rows share one context length.
 """
@@ -23,7 +25,7 @@ from torch import Tensor
 
 from dflash_trt.model.kv_cache import StaticKVCache
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
-from dflash_trt.plugins.interface import DraftRow, TargetRow
+from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow
 
 
 class Executor(Protocol):
@@ -72,6 +74,9 @@ class GraphRows:
         self._positions = torch.zeros_like(self._tokens)
         self._context_positions = torch.zeros_like(self._tokens)
         self._lengths = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        # a DFlash2 drafter's walk: each row's temperature and its uniforms, one per draft slot
+        self._temperatures = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self._uniforms = torch.zeros(max_batch * max_seq_len, dtype=torch.float32, device=device)
         # cache_positions: the first K rows of this arange are the live cache rows a forward reads (a view, no copy)
         self._cache_rows = torch.arange(max_seq_len, dtype=torch.int64, device=device)
         # the drafter's context features, [B, C, L*H] (C up to a prompt's length); on the host they are packed per
@@ -129,6 +134,37 @@ class GraphRows:
     def draft(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow]) -> list[Tensor]:
         """``draft.onnx``: every row in one call. Shapes per row: draft logits ``[Bc_i - 1, V]`` on the cache's device;
         afterwards each draft cache holds positions ``< start``."""
+        outputs = self._draft_call(executor, cache, rows, {})
+        return [self._kept(executor, outputs["draft_logits"][index, :len(row.block) - 1])
+                for index, row in enumerate(rows)]
+
+    def propose(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow]) -> list[DraftProposal]:
+        """A DFlash2 drafter's ``draft.onnx`` (the candidate selector walked in the graph, ``export_onnx``'s
+        ``SelectorDraftGraph``): every row in one call, greedy rows (temperature 0) and sampled ones (their uniforms)
+        alike. Per row a :class:`DraftProposal` on the cache's device: tokens ``[Bc_i - 1]``, support and, for a
+        sampled row, probs ``[Bc_i - 1, k]``."""
+        width = max(len(row.block) for row in rows) - 1
+        temperatures = torch.tensor([row.temperature for row in rows], dtype=torch.float32)
+        draws = self._uniforms[:len(rows) * width].view(len(rows), width)
+        draws.zero_()
+        for index, row in enumerate(rows):
+            if row.temperature > 0 and row.uniforms is not None:
+                draws[index, :row.uniforms.shape[0]] = row.uniforms
+        outputs = self._draft_call(executor, cache, rows, {
+            "temperature": self._stage(self._temperatures, temperatures), "uniforms": draws})
+        results = []
+        for index, row in enumerate(rows):
+            count = len(row.block) - 1
+            probs = outputs["proposal_probs"][index, :count] if row.temperature > 0 else None
+            results.append(DraftProposal(self._kept(executor, outputs["draft_tokens"][index, :count]),
+                                         self._kept(executor, outputs["candidates"][index, :count]),
+                                         None if probs is None else self._kept(executor, probs)))
+        return results
+
+    def _draft_call(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow], extra: dict[str, Tensor]
+                    ) -> dict[str, Tensor]:
+        """One ``draft.onnx`` call over ``rows`` (plus the ``extra`` inputs): stores each row's context K/V and
+        returns the graph's outputs."""
         block, positions, layout = pack_draft(rows, self.max_seq_len)
         context = max(1, layout.context_width)  # a graph input needs one column at least
         committed = [s - c for s, c in zip(layout.starts, layout.context_lens)]
@@ -146,15 +182,13 @@ class GraphRows:
             "block_positions": self._stage(self._positions, positions[:, layout.context_width:]),
             "taps": taps, "context_positions": self._stage(self._context_positions, context_positions),
             "cache_positions": self._live_rows(committed),
-            "cache_lengths": self._stage(self._lengths, torch.tensor(committed)),
+            "cache_lengths": self._stage(self._lengths, torch.tensor(committed)), **extra,
             **_per_layer(keys, values)})
-        results = []
         for index, row in enumerate(rows):
             kept = slice(context - row.taps.shape[0], context)
             cache.store(row.slot, committed[index], outputs["context_keys"][index, :, :, kept],
                         outputs["context_values"][index, :, :, kept])
-            results.append(self._kept(executor, outputs["draft_logits"][index, :len(row.block) - 1]))
-        return results
+        return outputs
 
     def draft_plugin(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow]) -> list[Tensor]:
         """``draft_plugin.onnx`` (prefix I/O: ``past_keys [n, 1, nkv, P, d]`` -> ``context_keys [n, 1, nkv, c, d]``),

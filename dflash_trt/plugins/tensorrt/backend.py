@@ -26,7 +26,7 @@ from torch import Tensor
 from dflash_trt.errors import BackendUnavailableError, EngineFormatError
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, SlotCaches, StaticKVCache
 from dflash_trt.plugins.graph_rows import Executor, GraphRows
-from dflash_trt.plugins.interface import DraftRow, TargetRow
+from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow
 from dflash_trt.model.memory import require_fit
 
 
@@ -36,7 +36,9 @@ class TensorRTPlan:
 
     reuses_outputs = True
 
-    def __init__(self, runtime, path: Path, max_shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+    def __init__(self, runtime, path: Path, max_shapes: dict[str, tuple[int, ...]], device: torch.device,
+                 dtypes: dict[str, torch.dtype] | None = None) -> None:
+        """``dtypes``: outputs that are not float32 (a DFlash2 drafter's token ids are int64)."""
         import tensorrt as trt
 
         self.engine = runtime.deserialize_cuda_engine(path.read_bytes())
@@ -51,7 +53,7 @@ class TensorRTPlan:
         if missing:
             raise EngineFormatError(f"{path}: the plan has outputs {missing} this backend does not know. Fix: rebuild "
                                     "the engine with this version of dflash-trt.")
-        self.outputs = {n: torch.empty(max_shapes[n], dtype=torch.float32, device=device)
+        self.outputs = {n: torch.empty(max_shapes[n], dtype=(dtypes or {}).get(n, torch.float32), device=device)
                         for n in names if not is_input[n]}
 
     def run(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -138,9 +140,13 @@ class TensorRTBackend(SlotCaches):
         if d is None:
             return (target, None), False
         context = (batch, d.num_layers, d.num_kv_heads, seq, d.head_dim)
-        draft = TensorRTPlan(self._runtime, engine.path_of("draft_plan"), {
-            "draft_logits": (batch, block, t.vocab_size), "context_keys": context, "context_values": context},
-            torch.device(self.device))
+        selector = manifest.graphs.proposals == "selector"  # a DFlash2 drafter: the selector walk in the plan
+        proposals = ({"draft_tokens": (batch, block), "candidates": (batch, block, d.selector_top_k),
+                      "proposal_probs": (batch, block, d.selector_top_k)} if selector
+                     else {"draft_logits": (batch, block, t.vocab_size)})
+        draft = TensorRTPlan(self._runtime, engine.path_of("draft_plan"),
+                             proposals | {"context_keys": context, "context_values": context},
+                             torch.device(self.device), {"draft_tokens": torch.int64, "candidates": torch.int64})
         # build_trt builds the drafter's plan from draft_plugin.onnx exactly when it built the plugin library
         return (target, draft), manifest.tensorrt.plugin_library is not None
 
@@ -163,3 +169,10 @@ class TensorRTBackend(SlotCaches):
         if self.plugin_drafter:
             return self._rows.draft_plugin(self._draft, self.draft_cache, rows)
         return self._rows.draft(self._draft, self.draft_cache, rows)
+
+    @torch.inference_mode()
+    def propose_batch(self, rows: list[DraftRow]) -> list[DraftProposal]:
+        """A DFlash2 drafter: the draft call with the candidate selector walked in the plan (built from the standard
+        graph: a DFlash2 drafter has no plugin-node variant), every row at once; proposals on ``device``."""
+        assert self._draft is not None and self.draft_cache is not None, "propose_batch() needs a drafter plan"
+        return self._rows.propose(self._draft, self.draft_cache, rows)
