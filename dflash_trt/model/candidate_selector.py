@@ -109,6 +109,8 @@ class CandidateSelector(nn.Module):
         output multiplier and soft-cap), anchors ``[B]`` (long) -> :class:`SelectorWalk`.
         """
         unary, candidates = self.candidates(logits)
+        if hidden.shape[1] == 0:  # a one-token block proposes nothing
+            return SelectorWalk(candidates[..., 0], candidates, unary)
         projected = self.hidden_projection(hidden)  # [B, K, rank]
         successors = self.successor_codebook(candidates)  # [B, K, k, rank]
         previous = anchors

@@ -104,3 +104,10 @@ def test_rows_at_temperature_zero_walk_greedily_beside_sampled_rows():
     assert mixed.tokens[0].tolist() == greedy.tokens[0].tolist()
     assert mixed.tokens[1].tolist() == sampled.tokens[0].tolist()
     torch.testing.assert_close(mixed.probabilities(torch.tensor([1.0, 0.7]))[1], sampled.probabilities(0.7)[0])
+
+
+def test_a_walk_over_no_slots_proposes_nothing():
+    module = selector(5)
+    with torch.no_grad():
+        walk = module.walk(torch.randn(2, 0, HIDDEN), torch.randn(2, 0, VOCAB), torch.tensor([1, 2]))
+    assert walk.tokens.shape == (2, 0) and walk.candidates.shape == walk.scores.shape == (2, 0, TOP_K)
