@@ -270,7 +270,7 @@ class DraftHead(nn.Module):
         else:
             cache.check_rows(start.slots, tuple(s - c for s, c in zip(start.starts, start.context_lens)),
                              tuple(s + n for s, n in zip(start.starts, start.block_lens)))
-            positions = start.positions(cache.pad_position).to(taps.device)
+            positions = start.positions(cache.pad_position).to(taps.device, non_blocking=True)
             keys = CachedKeys(cache, start, positions, self.layout_masks(start, positions[:, -tokens:]))
         cos, sin = self.rotary.lookup(positions, block_embeds.dtype)  # [B, 1, c+T, d]
         hidden = self.run_layers(block_embeds, taps, (cos[:, :, ctx_len:], sin[:, :, ctx_len:]),
@@ -340,7 +340,7 @@ class DraftHead(nn.Module):
         """Masks ``[B, 1, T, key_len]`` of a batched call: each row sees keys ``< start + Bc`` of its own,
         under its layer's rule. Padding queries see every key (finite, unused)."""
         keys = torch.arange(layout.key_len, device=queries.device).view(1, 1, -1)
-        limits = layout.key_limits().to(queries.device)
+        limits = layout.key_limits().to(queries.device, non_blocking=True)
         padding = (queries >= limits.view(-1, 1)).unsqueeze(-1)
         own = keys < limits.view(-1, 1, 1)
         return {kind: ((own & visible(queries.unsqueeze(-1), keys, kind[0], self._window(kind[1]))) | padding

@@ -46,6 +46,7 @@ from torch import Tensor
 from dflash_trt.model.kv_cache import StaticKVCache
 from dflash_trt.model.layers import apply_rope
 from dflash_trt.model.layouts import TargetLayout
+from dflash_trt.model.transfer import to_device
 
 if TYPE_CHECKING:
     from dflash_trt.model.target import TargetModel
@@ -74,8 +75,8 @@ class FrameAttention:
                  positions: list[int]) -> None:
         self.cache, self.slot, self.cos, self.sin = cache, slot, cos, sin
         self.rows, self.positions = rows, positions
-        self.row_index = torch.tensor(rows, device=cos.device)
-        self.position_index = torch.tensor(positions, device=cos.device)
+        self.row_index = to_device(rows, cos.device)
+        self.position_index = to_device(positions, cos.device)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache, slot = self.cache, self.slot
@@ -107,9 +108,9 @@ def frame_forward(model: TargetModel, cache: StaticKVCache, slot: int, tokens: T
     device = tokens.device
     frame_tokens = torch.zeros(1, FRAME_ROWS, dtype=torch.long, device=device)
     frame_positions = torch.zeros(1, FRAME_ROWS, dtype=torch.long, device=device)  # padding rows: position 0
-    row_index = torch.tensor(rows, device=device)
+    row_index = to_device(rows, device)
     frame_tokens[0, row_index] = tokens
-    frame_positions[0, row_index] = torch.tensor(positions, device=device)
+    frame_positions[0, row_index] = to_device(positions, device)
     dtype = model.embed_tokens.weight.dtype
     cos, sin = model.rotary.lookup(frame_positions, dtype)
     store = FrameAttention(cache, slot, cos, sin, rows, positions)

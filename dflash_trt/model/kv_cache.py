@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
+from dflash_trt.model.transfer import to_device
 
 
 def format_bytes(count: int) -> str:
@@ -163,7 +164,7 @@ class StaticKVCache:
         first, batch = slots[0], len(slots)
         if slots == list(range(first, first + batch)):
             return self.views(first, batch)
-        index = torch.tensor(slots, device=self.keys.device)
+        index = to_device(slots, self.keys.device)
         for source, target in ((self.keys, self.gather_keys), (self.values, self.gather_values)):
             for layer in range(self.num_layers):
                 torch.index_select(source[layer, :, :, :live], 0, index, out=target[layer, :batch, :, :live])
@@ -196,7 +197,7 @@ class StaticKVCache:
         Shapes: keys/values ``[B, nkv, T, d]``. Lengths advance once per forward (:meth:`commit`).
         """
         if not isinstance(start, int):
-            slots = torch.tensor(start.slots, device=self.keys.device)
+            slots = to_device(start.slots, self.keys.device)
             # advanced indices [B,1] and [B,T] around a slice: the indexed view is [B, T, nkv, d]
             self.keys[layer][slots.unsqueeze(1), :, positions] = keys.transpose(1, 2)
             self.values[layer][slots.unsqueeze(1), :, positions] = values.transpose(1, 2)

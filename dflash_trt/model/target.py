@@ -138,7 +138,7 @@ class TargetModel(nn.Module):
             mask = causal_mask(start, tokens_len, tokens.device)
         else:
             cache.check_rows(start.slots, start.starts, [s + n for s, n in zip(start.starts, start.lengths)])
-            positions = write_positions = start.positions(cache.pad_position).to(tokens.device)
+            positions = write_positions = start.positions(cache.pad_position).to(tokens.device, non_blocking=True)
             # a query at position p sees keys 0..p; padding queries (pad position) see everything
             keys = torch.arange(start.key_len, device=tokens.device)
             mask = (keys.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)

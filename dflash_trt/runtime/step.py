@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from dflash_trt.errors import NumericalError
+from dflash_trt.model.transfer import to_device
 from dflash_trt.plugins.interface import Backend, DraftProposal, DraftRow, TargetRow
 from dflash_trt.runtime.request import Cycle, RequestState
 from dflash_trt.runtime.sampling import draw, has_mass, sampling_probs, uniforms
@@ -266,7 +267,7 @@ def _rejection_uniforms(group: _Group) -> tuple[Tensor, Tensor, Tensor]:
         bonus.append(base + 2 * count)
         base += 2 * count + 1
     flat = torch.cat(group.uniforms)
-    index = torch.tensor(proposal + acceptance + bonus, dtype=torch.long, device=flat.device)
+    index = to_device(proposal + acceptance + bonus, flat.device)
     return flat[index].split([len(proposal), len(acceptance), len(bonus)])
 
 
@@ -282,7 +283,7 @@ def _verify_tokens(states: list[RequestState], counts: list[int], groups: dict[t
     index = [i if j == 0 else (offsets[i] + j - 1 if j <= counts[i] else base)
              for i in range(len(states)) for j in range(width)]
     device = states[0].generator.device
-    host = torch.tensor([s.anchor for s in states] + index, dtype=torch.long, device=device)
+    host = to_device([s.anchor for s in states] + index, device)
     anchors, index = host.split([len(states), len(index)])
     source = torch.cat([anchors, *(group.proposals for group in groups.values()), anchors.new_full((1,), -1)])
     return source[index].view(len(states), width)

@@ -25,6 +25,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from dflash_trt.model.transfer import to_device
 from dflash_trt.runtime.sampling import draw
 
 
@@ -64,8 +65,8 @@ class RowLayout:
         draft_slots = [o + j if j < k else total for o, k in zip(offsets, counts) for j in range(width)]
         target_slots = [o + r + min(j, k) for r, (o, k) in enumerate(zip(offsets, counts)) for j in range(width + 1)]
         checked = [o + r + j for r, (o, k) in enumerate(zip(offsets, counts)) for j in range(k)]
-        flat = torch.tensor(draft_slots + target_slots + checked + offsets
-                            + [o + r for r, o in enumerate(offsets)] + list(counts), dtype=torch.long, device=device)
+        flat = to_device(draft_slots + target_slots + checked + offsets + [o + r for r, o in enumerate(offsets)]
+                         + list(counts), device)
         parts = flat.split([rows * width, rows * (width + 1), total, rows, rows, rows])
         return cls(tuple(counts), parts[0].view(rows, width), parts[1].view(rows, width + 1), *parts[2:])
 

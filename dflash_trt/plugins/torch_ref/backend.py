@@ -6,7 +6,9 @@ slot 0 takes the batch-1 methods, so a request alone runs exactly as it always h
 
 Execution is eager or compiled (``plugins/torch_ref/graphs.py``: ``torch.compile`` over static, bucketed
 shapes). ``DFLASH_TORCH_COMPILE`` picks it: ``0`` (eager), ``inductor`` or ``static`` (the compiled path's shapes,
-uncompiled); unset means :data:`DEFAULT_COMPILER`.
+uncompiled), or on a CUDA device ``cudagraph`` (those static-shape forwards captured as CUDA graphs,
+``plugins/torch_ref/cuda_graphs.py``); unset means :data:`DEFAULT_COMPILER`. Index tensors built from host ints
+reach the device with ``model/transfer.py``'s non-blocking copy, so no forward waits for the GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from dflash_trt.model.pair import ModelPair
+from dflash_trt.model.transfer import to_device
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.model.candidate_selector import sampled_choice
@@ -26,6 +29,7 @@ from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, SlotCaches
 from dflash_trt.model.frames import uses_frames
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
+from dflash_trt.plugins.torch_ref.cuda_graphs import CUDA_GRAPHS, CudaGraphForwards
 from dflash_trt.plugins.torch_ref.graphs import COMPILERS, MAX_BUCKET_WIDTH, CompiledForwards, bucket
 from dflash_trt.plugins.torch_ref.threads import use_intra_op_threads
 from dflash_trt.model.memory import require_fit
@@ -41,9 +45,9 @@ def compiler_from_env() -> str | None:
         return DEFAULT_COMPILER
     if value in ("0", "eager", ""):
         return None
-    if value not in COMPILERS:
-        raise ConfigError(f"DFLASH_TORCH_COMPILE is {value!r}; expected 0, eager, {', '.join(COMPILERS)}. Fix: "
-                          "unset it or pass one of those.")
+    if value not in (*COMPILERS, CUDA_GRAPHS):
+        raise ConfigError(f"DFLASH_TORCH_COMPILE is {value!r}; expected 0, eager, {', '.join(COMPILERS)} or "
+                          f"{CUDA_GRAPHS} (CUDA only). Fix: unset it or pass one of those.")
     return value
 
 
@@ -70,11 +74,18 @@ class TorchBackend(SlotCaches):
         if self.device.type == "cpu":  # by model size, DFLASH_TORCH_THREADS overrides (plugins/torch_ref/threads.py)
             use_intra_op_threads(self.target_config.hidden_size)
         compiler = compiler_from_env() if compiler == "env" else compiler
-        if compiler is not None and self.device.type != "cpu":
+        if compiler == CUDA_GRAPHS and self.device.type != "cuda":
+            raise ConfigError(f"DFLASH_TORCH_COMPILE is {compiler!r} with the torch backend on {self.device}; "
+                              "expected a CUDA device (CUDA graphs). Fix: pass --device cuda, or unset "
+                              "DFLASH_TORCH_COMPILE (or set it to inductor or static) on a CPU.")
+        if compiler not in (None, CUDA_GRAPHS) and self.device.type != "cpu":
             raise ConfigError(f"DFLASH_TORCH_COMPILE is {compiler!r} with the torch backend on {self.device}; "
                               "expected a CPU device (compiled forwards are built and tested on CPU only). Fix: "
-                              "unset DFLASH_TORCH_COMPILE (or set it to 0) on a GPU.")
-        self.graphs = CompiledForwards(compiler) if compiler is not None else None
+                              f"set DFLASH_TORCH_COMPILE={CUDA_GRAPHS} (CUDA graphs) or 0 on a GPU.")
+        if compiler == CUDA_GRAPHS:
+            self.graphs: CompiledForwards | CudaGraphForwards | None = CudaGraphForwards()
+        else:
+            self.graphs = CompiledForwards(compiler) if compiler is not None else None
 
     @property
     def execution(self) -> str:
@@ -133,7 +144,7 @@ class TorchBackend(SlotCaches):
             if compiled is not None:
                 return compiled
         if len(rows) == 1 and rows[0].slot == 0:
-            return [self.draft(torch.tensor([rows[0].block], device=self.device), rows[0].taps, rows[0].start)]
+            return [self.draft(to_device([rows[0].block], self.device), rows[0].taps, rows[0].start)]
         logits = self.draft_model.logits(self._draft_hidden(rows), self.target_model.lm_head.weight)
         return [logits[i, :len(r.block) - 1] for i, r in enumerate(rows)]
 
@@ -144,12 +155,12 @@ class TorchBackend(SlotCaches):
         assert self.draft_model is not None and self.draft_model.candidate_selector is not None, "a DFlash2 drafter"
         hidden = self._draft_hidden(rows)  # [B, W-1, H]
         slots = hidden.shape[1]
-        temperatures = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=self.device)
+        temperatures = to_device([r.temperature for r in rows], self.device, torch.float32)
         uniforms = torch.zeros(len(rows), slots, device=self.device)
         for index, row in enumerate(rows):
             if row.uniforms is not None:
                 uniforms[index, :row.uniforms.shape[0]] = row.uniforms
-        anchors = torch.tensor([r.block[0] for r in rows], device=self.device)
+        anchors = to_device([r.block[0] for r in rows], self.device)
         walk = self.draft_model.propose(hidden, self.target_model.lm_head.weight, anchors,
                                         sampled_choice(temperatures, uniforms))
         probs = walk.probabilities(temperatures.clamp_min(1e-30))  # rows at T = 0 read None below
@@ -160,7 +171,7 @@ class TorchBackend(SlotCaches):
         """The eager draft forward of ``rows`` (their draft caches cropped back to ``start`` after it): normed hidden
         states of block slots 1.., ``[B, W-1, H]`` (a row's slots past its own block are padding)."""
         if len(rows) == 1 and rows[0].slot == 0:
-            block = torch.tensor([rows[0].block], device=self.device)
+            block = to_device([rows[0].block], self.device)
             hidden = self.draft_model(self._block_embeds(block), rows[0].taps.unsqueeze(0), rows[0].start,
                                       self.draft_cache)
             self.draft_cache.crop(rows[0].start)
@@ -174,7 +185,7 @@ class TorchBackend(SlotCaches):
             blocks[index, :len(row.block)] = torch.tensor(row.block)
             if row.taps.shape[0]:
                 taps[index, layout.context_width - row.taps.shape[0]:] = row.taps  # right-aligned context
-        hidden = self.draft_model(self._block_embeds(blocks.to(self.device)), taps, layout, self.draft_cache)
+        hidden = self.draft_model(self._block_embeds(to_device(blocks, self.device)), taps, layout, self.draft_cache)
         for row in rows:
             self.draft_cache.crop_slot(row.slot, row.start)
         return hidden
@@ -182,7 +193,7 @@ class TorchBackend(SlotCaches):
     def _token_matrix(self, rows: list[TargetRow]) -> Tensor:
         """``[B, T]`` int64 tokens on the device, right-padded with 0. A verify row's tokens are already a tensor
         there (built from the drafts without reading them back); a prompt's list is copied over."""
-        tokens = [torch.as_tensor(row.tokens, dtype=torch.long, device=self.device) for row in rows]
+        tokens = [row.tokens if isinstance(row.tokens, Tensor) else to_device(row.tokens, self.device) for row in rows]
         return tokens[0].unsqueeze(0) if len(tokens) == 1 else pad_sequence(tokens, batch_first=True)
 
     def _block_embeds(self, block: Tensor) -> Tensor:
@@ -195,13 +206,16 @@ class TorchBackend(SlotCaches):
         cache = self.target_cache
         cache.check_rows(tuple(r.slot for r in rows), tuple(r.start for r in rows),
                          tuple(r.start + len(r.tokens) for r in rows))
-        tokens = torch.zeros(batch, width, dtype=torch.long)
+        # tokens are built where they live (a verify row's are on the device); positions and slots on the host
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         positions = torch.full((batch, width), cache.pad_position, dtype=torch.long)
         slots = torch.full((batch,), rows[0].slot, dtype=torch.long)  # padding rows: pad position of a used slot
         for index, row in enumerate(rows):
-            tokens[index, :len(row.tokens)] = torch.as_tensor(row.tokens)
+            tokens[index, :len(row.tokens)] = (row.tokens if isinstance(row.tokens, Tensor)
+                                               else to_device(row.tokens, self.device))
             positions[index, :len(row.tokens)] = torch.arange(row.start, row.start + len(row.tokens))
             slots[index] = row.slot
+        positions, slots = to_device(positions, self.device), to_device(slots, self.device)
         tap_ids = self.tap_ids if with_taps else ()
         out = self.graphs.run("target", (batch, width, with_taps), self.target_model, tokens, positions, slots,
                               cache.keys, cache.values, tap_ids)
@@ -217,7 +231,7 @@ class TorchBackend(SlotCaches):
         cache.check_rows(tuple(r.slot for r in rows), tuple(r.start - r.taps.shape[0] for r in rows),
                          tuple(r.start + len(r.block) for r in rows))
         blocks = torch.zeros(batch, width, dtype=torch.long)
-        taps = torch.zeros(batch, context, rows[0].taps.shape[-1], dtype=self.dtype)
+        taps = torch.zeros(batch, context, rows[0].taps.shape[-1], dtype=self.dtype, device=self.device)
         positions = torch.full((batch, context + width), pad, dtype=torch.long)
         limits = torch.zeros(batch, dtype=torch.long)
         slots = torch.full((batch,), rows[0].slot, dtype=torch.long)
@@ -229,6 +243,7 @@ class TorchBackend(SlotCaches):
             positions[index, context - ctx:context + length] = torch.arange(row.start - ctx, row.start + length)
             limits[index] = row.start + length
             slots[index] = row.slot
+        blocks, positions, limits, slots = (to_device(t, self.device) for t in (blocks, positions, limits, slots))
         model, target = self.draft_model, self.target_model
         logits = self.graphs.run("draft", (batch, width, context), model, target.embed_tokens.weight,
                                  target.lm_head.weight, blocks, taps, positions, limits, slots, cache.keys,

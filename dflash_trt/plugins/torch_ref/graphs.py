@@ -59,12 +59,15 @@ class SlotKV:
     def __init__(self, keys: Tensor, values: Tensor, slots: Tensor) -> None:
         self.keys, self.values, self.slots = keys, values, slots
         self.heads = torch.arange(keys.shape[2], device=keys.device)
+        # layer indices on the buffers' device: a host scalar index would be copied over inside the forward, which
+        # a CUDA graph capture refuses (plugins/torch_ref/cuda_graphs.py)
+        self.layers = torch.arange(keys.shape[0], device=keys.device)
 
     def write(self, layer: int, start, keys: Tensor, values: Tensor, positions: Tensor | None = None
               ) -> tuple[Tensor, Tensor]:
         # one index_put_ on the whole buffer, every dimension indexed: the compiled graph scatters into the
         # buffer in place (a slice in between made it copy the whole buffer each call, 3x slower than eager)
-        where = (torch.tensor(layer), self.slots.view(-1, 1, 1), self.heads.view(1, 1, -1), positions.unsqueeze(-1))
+        where = (self.layers[layer], self.slots.view(-1, 1, 1), self.heads.view(1, 1, -1), positions.unsqueeze(-1))
         self.keys.index_put_(where, keys.transpose(1, 2))  # [B, T, nkv, d] at [B, T, nkv] indices
         self.values.index_put_(where, values.transpose(1, 2))
         return self.keys[layer].index_select(0, self.slots), self.values[layer].index_select(0, self.slots)

@@ -114,3 +114,12 @@ def test_an_unknown_compiler_is_refused_naming_the_choices(pair, monkeypatch):
     monkeypatch.setenv("DFLASH_TORCH_COMPILE", "tvm")
     with pytest.raises(ConfigError, match="DFLASH_TORCH_COMPILE is 'tvm'; expected 0, eager, inductor"):
         TorchBackend(pair, MAX_SEQ_LEN)
+
+
+def test_cuda_graphs_are_refused_off_a_cuda_device(pair):
+    """``DFLASH_TORCH_COMPILE=cudagraph`` captures CUDA graphs (plugins/torch_ref/cuda_graphs.py, tested in
+    tests/gpu/test_cuda_step.py); on a CPU it is refused with the fix, before anything is captured."""
+    from dflash_trt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="expected a CUDA device.*Fix: pass --device cuda"):
+        TorchBackend(pair, MAX_SEQ_LEN, compiler="cudagraph")
