@@ -43,6 +43,8 @@ def inspection(info: dict[str, Any]) -> None:
                                  f"{info['weight_files']} file(s)")
     if "tokenizer" in info:
         table.add_row("tokenizer", Text(str(info["tokenizer"])))
+    if "backends" in info:
+        table.add_row("backends", Text(str(info["backends"])))
     for key, value in info["config"].items():
         table.add_row(Text(str(key)), Text(str(value)))
     _console.print(table)

@@ -48,7 +48,16 @@ def _describe_drafter(path: Path) -> tuple[dict[str, Any], DraftConfig]:
     model = "DFlash2 (DFlash2DraftModel)" if config.architecture == "dflash2" else "DFlash (DFlashDraftModel)"
     return ({"path": str(path), "kind": "drafter", "format": f"z-lab {model}",
              "parameters": sum(e.numel for e in entries.values()), **_weights(entries),
-             "config": config.model_dump(mode="json")}, config)
+             "backends": _drafter_backends(config), "config": config.model_dump(mode="json")}, config)
+
+
+def _drafter_backends(config: DraftConfig) -> str:
+    """Which ``build``/``run`` backends take this drafter, and why one does not."""
+    if config.architecture != "dflash2":
+        return "torch, onnxruntime, tensorrt, trtllm"
+    from dflash_trt.builder.bundle_trtllm import DFLASH2_ALTERNATIVES, DFLASH2_UNSERVED
+
+    return f"torch, onnxruntime, tensorrt; not trtllm ({DFLASH2_UNSERVED}: {DFLASH2_ALTERNATIVES})"
 
 
 def _target_info(path: Path, config: TargetConfig, source: str, tokenizer: str | None,
