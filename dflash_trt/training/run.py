@@ -30,8 +30,8 @@ from dflash_trt.training.corpus import Corpus, checkpoint_sha256, default_cache_
 from dflash_trt.training.draft_config import draft_config_for
 from dflash_trt.training.evaluation import EvalReport, evaluate
 from dflash_trt.training.prompts import heldout_prompts_path, read_prompts
-from dflash_trt.training.trainer import (Distiller, DistillSettings, StepMetrics, dflash2_from_dflash,
-                                         dflash_config_of, new_draft_head)
+from dflash_trt.training.dflash2_init import dflash2_from_dflash, dflash_config_of
+from dflash_trt.training.trainer import Distiller, DistillSettings, StepMetrics, new_draft_head
 from dflash_trt.training.world import World, join_world, leave_world
 
 CHECKPOINT_FILE = "checkpoints/state.pt"

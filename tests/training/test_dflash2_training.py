@@ -17,7 +17,8 @@ from dflash_trt.training.draft_config import draft_config_for
 from dflash_trt.training.objective import accepted_prefix
 from dflash_trt.training.selector_loss import (previous_tokens, selector_predictions, teacher_forced_scores,
                                                weighted_candidate_loss)
-from dflash_trt.training.trainer import Distiller, DistillSettings, dflash2_from_dflash, new_draft_head
+from dflash_trt.training.dflash2_init import dflash2_from_dflash
+from dflash_trt.training.trainer import Distiller, DistillSettings, new_draft_head
 from dflash_trt.training.walk_eval import speculative_decode
 
 SMALL = {"selector_rank": 8, "selector_top_k": 4}  # the released 256 / 16 work the same, only slower

@@ -71,7 +71,7 @@ def test_sparse_rejection_of_one_slot_yields_the_targets_distribution():
 
 def test_evaluate_measures_a_dflash2_drafter_with_its_selector_and_agrees_with_the_runtime_at_the_no_op(pair):
     from dflash_trt.training.evaluation import evaluate
-    from dflash_trt.training.trainer import dflash2_from_dflash
+    from dflash_trt.training.dflash2_init import dflash2_from_dflash
 
     target, heads, prompts = pair
     extended = dflash2_from_dflash(heads["dflash"], heads["dflash2"].config, seed=0).eval()
