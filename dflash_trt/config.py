@@ -100,8 +100,10 @@ class DraftConfig(BaseModel):
     is_causal: bool | None = Field(
         default=None, description="Top-level `is_causal`: True makes every layer causal in-block, False none; "
         "None (absent) = causal exactly on sliding layers (the reference's per-layer rule, docs/algorithm.md §2.5).")
-    input_embedding_scale: float = Field(default=1.0, description="Multiplier on the raw target embedding.")
-    output_multiplier: float = Field(default=1.0, description="Multiplier on the draft logits.")
+    input_embedding_scale: float = Field(default=1.0, allow_inf_nan=False,
+                                         description="Multiplier on the raw target embedding (finite).")
+    output_multiplier: float = Field(default=1.0, allow_inf_nan=False,
+                                     description="Multiplier on the draft logits (finite).")
     final_logit_softcapping: PositiveFloat | None = Field(default=None, description="tanh softcap on draft logits.")
     architecture: DraftArchitecture = Field(
         default="dflash", description="`dflash` (`DFlashDraftModel`) or `dflash2` (`DFlash2DraftModel`: block "

@@ -126,6 +126,8 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     layer_types = _layer_types(raw, num_layers, source)
     window = raw.get("sliding_window")
     softcap = _lookup(raw, "final_logit_softcapping")
+    if softcap == 0:  # the reference applies a soft-cap only when it is > 0; 0 means none, as null does
+        softcap = None
     fields = dict(
         hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"],
@@ -155,7 +157,12 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
         return DraftConfig(**fields)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise CheckpointFormatError(f"{source}: {'.'.join(map(str, first['loc'])) or 'config'}: {first['msg']} "
+        where = ".".join(map(str, first["loc"]))
+        if not where:  # a rule across fields (e.g. conv_group_size and hidden_size): its message names them
+            message = first["msg"].removeprefix("Value error, ")
+            fix = "" if "fix:" in message else " Fix: correct config.json."
+            raise CheckpointFormatError(f"{source}: {message}.{fix}") from None
+        raise CheckpointFormatError(f"{source}: {where}: {first['msg']} "
                                     f"(found {first.get('input')!r}). Fix: correct config.json.") from None
 
 

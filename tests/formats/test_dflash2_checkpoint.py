@@ -153,3 +153,23 @@ def test_inspect_describes_a_dflash2_drafter(zoo, dflash2_dir):
     drafter = describe_checkpoint(dflash2_dir)
     assert drafter["format"] == "z-lab DFlash2 (DFlash2DraftModel)"
     assert drafter["config"]["selector_top_k"] == 6 and drafter["config"]["architecture"] == "dflash2"
+
+
+@pytest.mark.parametrize("edit, expected", [
+    ({"final_logit_softcapping": 0}, None),  # the reference's "no soft-cap", as null
+    ({"final_logit_softcapping": 2.5}, 2.5),
+])
+def test_a_zero_softcap_means_none_as_in_the_reference(dflash2_dir, tmp_path, edit, expected):
+    folder = edited(dflash2_dir, tmp_path / "softcap", config=lambda config: config.update(edit))
+    assert read_draft_config(folder).final_logit_softcapping == expected
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping"),
+    ({"output_multiplier": float("inf")}, "output_multiplier"),
+    ({"output_multiplier": "big"}, "output_multiplier"),
+])
+def test_logit_transform_fields_out_of_range_are_refused_by_name(dflash2_dir, tmp_path, edit, field):
+    folder = edited(dflash2_dir, tmp_path / "logits", config=lambda config: config["dflash_config"].update(edit))
+    with pytest.raises(CheckpointFormatError, match=rf"{field}.*Fix:"):
+        read_draft_config(folder)
