@@ -204,7 +204,7 @@ def prefill(backend: Backend, states: list[RequestState], fail: Fail) -> list[tu
         if not values[len(live) + n]:
             _fail(fail, state, NumericalError(f"request in slot {state.slot}: the prompt's next-token distribution "
                                               "is not finite; expected finite logits. Fix: check the checkpoint's "
-                                              "weights."), alive)
+                                              "weights."), alive, i)
             continue
         state.anchor = values[n]
         state.pending = [taps] if taps is not None and state.uses_drafter else []

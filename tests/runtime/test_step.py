@@ -130,3 +130,21 @@ def test_auto_speculation_feeds_the_cost_model_and_the_planner_from_the_report()
                                         for p in PROMPTS[:2]]]
         assert sum(session.costs.mark().values()) > before
         assert session._scheduler.prior.drafted == sum(r.stats.num_draft_tokens for r in results)
+
+
+def test_a_sampled_request_on_non_finite_logits_fails_alone_with_the_reason():
+    """Target logits of NaN: the sampled request cannot draw and fails with NumericalError at its first token
+    (flagged on the device, read in the prefill's one transfer); a greedy request of the same batch runs on."""
+    from dflash_trt.errors import NumericalError
+    from dflash_trt.formats.load import load_pair
+
+    pair = load_pair(use_draft=False)
+    with torch.no_grad():
+        pair.target.norm.weight.fill_(float("nan"))
+    with Session(pair, max_batch=2) as session:
+        sampled = session.submit(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=1.0, seed=3))
+        greedy = session.submit(PROMPTS[1], SamplingParams(max_new_tokens=4, stop_token_ids=()))
+        with pytest.raises(NumericalError, match="not finite.*Fix:"):
+            sampled.result()
+        assert sampled.finish_reason == "error"
+        assert len(greedy.result().token_ids) == 4
