@@ -73,8 +73,8 @@ Examples:
               "auto (the fastest this engine holds and this machine runs).")
 @click.option("--target", type=click.Path(exists=True, path_type=Path), help="Target checkpoint (HF folder or "
               "llama2.c .bin). Default: the embedded stories260K.")
-@click.option("--draft", type=click.Path(exists=True, path_type=Path), help="DFlash drafter folder (z-lab "
-              "format). Default: the embedded drafter when --target is not given.")
+@click.option("--draft", type=click.Path(exists=True, path_type=Path), help="DFlash or DFlash2 drafter "
+              "folder (z-lab format). Default: the embedded drafter when --target is not given.")
 @click.option("--prompt", help="Prompt text (needs a tokenizer beside the target).")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,403,407.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate.")

@@ -169,8 +169,8 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
 def read_draft_config(folder: Path) -> DraftConfig:
     """The drafter's ``config.json``, parsed and checked (refusing a file given as the folder)."""
     if not folder.is_dir():
-        raise CheckpointFormatError(f"{folder}: not a folder; expected a DFlash drafter folder with config.json "
-                                    "and model.safetensors. Fix: pass the folder, not a file.")
+        raise CheckpointFormatError(f"{folder}: not a folder; expected a DFlash or DFlash2 drafter folder with "
+                                    "config.json and model.safetensors. Fix: pass the folder, not a file.")
     return parse_draft_config(read_json(folder / "config.json", "drafter config.json"), str(folder / "config.json"))
 
 

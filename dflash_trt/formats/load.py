@@ -98,7 +98,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[T
 
 
 def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DraftHead:
-    """Load a z-lab DFlash drafter folder (strict; DFlash2 refused)."""
+    """Load a z-lab DFlash or DFlash2 drafter folder (strict: unknown architectures and tensors refused)."""
     return load_draft_checkpoint(path, dtype)
 
 
