@@ -26,8 +26,7 @@ Examples:
   dflash-trt train --out drafters/taps --layers 2 --target-layer-ids 1,3 --seed 7
   dflash-trt train --out drafters/kl --init-draft drafters/stories-b16 --kl-weight 1 --lr 2e-3 --steps 3000
   dflash-trt train --arch dflash2 --out drafters/stories-d2 --layers 3 --intermediate-size 512 --steps 1500
-  dflash-trt train --arch dflash2 --init-draft dflash_trt/assets/stories260K-dflash --layers 3 \
-      --intermediate-size 512 --target-layer-ids 1,3,4 --lr 2e-3 --steps 500 --out drafters/d2-from-d1
+  dflash-trt train --arch dflash2 --init-draft drafters/stories-b16 --steps 500 --out drafters/d2-from-d1
   dflash-trt train --target ./Qwen3-8B --out drafters/q8 --layers 5 --world-size 8 --fsdp --dry-run
 """
 
