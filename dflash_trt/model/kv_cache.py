@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -146,6 +147,9 @@ class StaticKVCache:
         self.max_len = max_len
         self.pad_position = max_len
         self.lengths = [0] * max_batch
+        # the same memory as numpy arrays on the host, for rows a host executor returns as numpy (:meth:`store`)
+        self._host = ((self.keys.numpy(), self.values.numpy())
+                      if self.keys.device.type == "cpu" and dtype in (torch.float32, torch.float16) else None)
 
     @property
     def num_layers(self) -> int:
@@ -171,11 +175,13 @@ class StaticKVCache:
         return ([self.gather_keys[layer, :batch] for layer in range(self.num_layers)],
                 [self.gather_values[layer, :batch] for layer in range(self.num_layers)])
 
-    def store(self, slot: int, start: int, keys: Tensor, values: Tensor) -> None:
-        """Write new rows ``[layers, nkv, n, d]`` at positions ``start ..`` of ``slot``; commit them."""
+    def store(self, slot: int, start: int, keys: Tensor | np.ndarray, values: Tensor | np.ndarray) -> None:
+        """Write new rows ``[layers, nkv, n, d]`` (tensors, or numpy arrays on the host) at positions ``start ..`` of
+        ``slot``; commit them."""
         end = start + keys.shape[2]
-        self.keys[:, slot, :, start:end] = keys
-        self.values[:, slot, :, start:end] = values
+        cache_keys, cache_values = self._host if isinstance(keys, np.ndarray) else (self.keys, self.values)
+        cache_keys[:, slot, :, start:end] = keys
+        cache_values[:, slot, :, start:end] = values
         self.lengths[slot] = end
 
     def prefix(self, slot: int, rows: int) -> tuple[Tensor, Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,11 +33,12 @@ class TargetLayout:
         return max(s + n for s, n in zip(self.starts, self.lengths))
 
     def positions(self, pad: int) -> Tensor:
-        """``[B, T]`` absolute positions; padding -> ``pad``."""
-        offsets = torch.arange(self.width)
-        starts = torch.tensor(self.starts).unsqueeze(1)
-        real = offsets.unsqueeze(0) < torch.tensor(self.lengths).unsqueeze(1)
-        return torch.where(real, starts + offsets, torch.full_like(starts + offsets, pad))
+        """``[B, T]`` absolute positions; padding -> ``pad`` (host tensor)."""
+        return torch.from_numpy(self.position_array(pad))
+
+    def position_array(self, pad: int) -> np.ndarray:
+        """:meth:`positions` as a host numpy array (the graph backends pack their inputs with numpy)."""
+        return _right_padded(np.array(self.starts), np.array(self.lengths), self.width, pad)
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,23 @@ class DraftLayout:
         return torch.tensor([s + n for s, n in zip(self.starts, self.block_lens)])
 
     def positions(self, pad: int) -> Tensor:
-        """``[B, C + Bq]`` positions of the K/V rows ``[context ; block]``; padding -> ``pad``."""
-        rows = []
-        for start, ctx, block in zip(self.starts, self.context_lens, self.block_lens):
-            left = [pad] * (self.context_width - ctx) + list(range(start - ctx, start))
-            right = list(range(start, start + block)) + [pad] * (self.block_width - block)
-            rows.append(left + right)
-        return torch.tensor(rows)
+        """``[B, C + Bq]`` positions of the K/V rows ``[context ; block]``; padding -> ``pad`` (host tensor)."""
+        return torch.from_numpy(self.position_array(pad))
+
+    def position_array(self, pad: int) -> np.ndarray:
+        """:meth:`positions` as a host numpy array: the context right-aligned (it ends right before each anchor), the
+        block right-padded."""
+        starts, contexts = np.array(self.starts), np.array(self.context_lens)
+        width = self.context_width
+        context = _right_padded(starts - width, np.full_like(contexts, width), width, pad)
+        context[np.arange(width)[None, :] < (width - contexts)[:, None]] = pad  # left padding of shorter contexts
+        return np.concatenate([context, _right_padded(starts, np.array(self.block_lens), self.block_width, pad)], 1)
+
+
+def _right_padded(starts: np.ndarray, lengths: np.ndarray, width: int, pad: int) -> np.ndarray:
+    """``[B, width]`` int64: row ``b`` holds ``starts[b] ..`` for ``lengths[b]`` columns, then ``pad``."""
+    offsets = np.arange(width, dtype=np.int64)
+    positions = starts.astype(np.int64)[:, None] + offsets[None, :]
+    if lengths.min(initial=width) < width:
+        positions[offsets[None, :] >= lengths[:, None]] = pad
+    return positions

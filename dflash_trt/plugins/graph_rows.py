@@ -2,10 +2,13 @@
 
 The ONNX Runtime and TensorRT backends run the same graphs (``builder/export_onnx.py`` has their I/O) through an
 :class:`Executor`: an ONNX Runtime session on the host, or a TensorRT plan on the GPU. Everything around the call
-is written once, here, on torch tensors of the slot cache's device: packing rows into padded inputs
-(``model/layouts.py`` gives each row's positions; padding sits at position ``S``), binding each row's cache slot
-(``model/kv_cache.py``: views, or gathered rows), writing back the K/V rows a graph returns, and the plugin-node
-drafter that runs one row per call. Nothing here reads a device tensor back to the host.
+is written once, here: packing rows into padded inputs on the host (``model/layouts.py`` gives each row's
+positions; padding sits at position ``S``), binding each row's cache slot (``model/kv_cache.py``: views, or
+gathered rows), writing back the K/V rows a graph returns, and the plugin-node drafter that runs one row per call.
+The same indexing code runs on numpy arrays for a host executor (``numpy_io``: an ONNX Runtime session, whose
+inputs and outputs are numpy; torch's per-call overhead on small CPU tensors is ~20x numpy's, measured 290-360 us
+against 12 us for one draft call's 16 K/V write-backs) and on torch tensors for a device one. Nothing here reads a
+device tensor back to the host.
 
 * :meth:`GraphRows.target`: ``target.onnx``, every row in one call; it returns each row's new K/V.
 * :meth:`GraphRows.draft`: ``draft.onnx``, every drafting row in one call, each with its own context length.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -29,7 +33,8 @@ from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow
 
 
 class Executor(Protocol):
-    """Runs one graph: named input tensors -> named output tensors, on the cache's device.
+    """Runs one graph: named input tensors -> named output tensors, on the cache's device (numpy arrays for a host
+    executor driven with ``numpy_io``).
 
     ``reuses_outputs``: the outputs are views of buffers the next ``run`` overwrites (the caller copies what it
     keeps)."""
@@ -40,26 +45,34 @@ class Executor(Protocol):
     def run(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]: ...
 
 
-def pack_target(rows: list[TargetRow], pad: int) -> tuple[Tensor, Tensor, TargetLayout]:
-    """``tokens``/``positions [B, T]`` int64 of ``rows``, right-padded (token 0 at position ``pad``): host tensors, or
-    ``tokens`` on the device of rows whose tokens are a tensor there (never read back)."""
+def pack_target(rows: list[TargetRow], pad: int) -> tuple[np.ndarray | Tensor, np.ndarray, TargetLayout]:
+    """``tokens``/``positions [B, T]`` int64 of ``rows``, right-padded (token 0 at position ``pad``): host arrays, or
+    ``tokens`` a tensor on the device of rows whose tokens are a tensor there (packed there, never read back)."""
     layout = TargetLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows), tuple(len(r.tokens) for r in rows))
-    held = [r.tokens for r in rows if isinstance(r.tokens, Tensor)]
-    if not held:
-        tokens = torch.tensor([list(r.tokens) + [0] * (layout.width - len(r.tokens)) for r in rows], dtype=torch.int64)
-    else:
-        tokens = torch.stack([F.pad(torch.as_tensor(r.tokens, dtype=torch.int64, device=held[0].device),
+    device = next((r.tokens.device for r in rows if isinstance(r.tokens, Tensor) and r.tokens.device.type != "cpu"),
+                  None)
+    if device is not None:
+        tokens = torch.stack([F.pad(torch.as_tensor(r.tokens, dtype=torch.int64, device=device),
                                     (0, layout.width - len(r.tokens))) for r in rows])
-    return tokens, layout.positions(pad), layout
+    else:
+        tokens = _padded_ids([r.tokens for r in rows], layout.width)
+    return tokens, layout.position_array(pad), layout
 
 
-def pack_draft(rows: list[DraftRow], pad: int) -> tuple[Tensor, Tensor, DraftLayout]:
-    """Host tensors ``block [B, Bc]`` int64 (right-padded with 0) and ``positions [B, C + Bc]`` of each row's
+def pack_draft(rows: list[DraftRow], pad: int) -> tuple[np.ndarray, np.ndarray, DraftLayout]:
+    """Host arrays ``block [B, Bc]`` int64 (right-padded with 0) and ``positions [B, C + Bc]`` of each row's
     ``[context ; block]`` (context right-aligned, padding at ``pad``), and the rows' layout."""
     layout = DraftLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
                          tuple(r.taps.shape[0] for r in rows), tuple(len(r.block) for r in rows))
-    block = torch.tensor([list(r.block) + [0] * (layout.block_width - len(r.block)) for r in rows], dtype=torch.int64)
-    return block, layout.positions(pad), layout
+    return _padded_ids([r.block for r in rows], layout.block_width), layout.position_array(pad), layout
+
+
+def _padded_ids(rows: list, width: int) -> np.ndarray:
+    """``[B, width]`` int64 of host id rows (lists or CPU tensors), right-padded with 0."""
+    ids = np.zeros((len(rows), width), np.int64)
+    for index, row in enumerate(rows):
+        ids[index, :len(row)] = row
+    return ids
 
 
 class GraphRows:
@@ -67,8 +80,10 @@ class GraphRows:
     (docs/style.md R5): host-packed inputs are copied into the leading elements of flat device buffers, so each
     input is contiguous (an executor takes a bare address)."""
 
-    def __init__(self, max_batch: int, max_seq_len: int, taps_width: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_seq_len: int, taps_width: int, device: torch.device,
+                 numpy_io: bool = False) -> None:
         self.device = device
+        self.numpy_io = numpy_io  # a host executor: inputs, outputs and cache write-backs as numpy arrays
         self.max_seq_len = max_seq_len  # padding sits at position S = max_seq_len (the caches' length)
         self._tokens = torch.zeros(max_batch * max_seq_len, dtype=torch.int64, device=device)
         self._positions = torch.zeros_like(self._tokens)
@@ -78,33 +93,44 @@ class GraphRows:
         self._temperatures = torch.zeros(max_batch, dtype=torch.float32, device=device)
         self._uniforms = torch.zeros(max_batch * max_seq_len, dtype=torch.float32, device=device)
         # cache_positions: the first K rows of this arange are the live cache rows a forward reads (a view, no copy)
-        self._cache_rows = torch.arange(max_seq_len, dtype=torch.int64, device=device)
+        self._cache_rows = (np.arange(max_seq_len, dtype=np.int64) if numpy_io
+                            else torch.arange(max_seq_len, dtype=torch.int64, device=device))
         # the drafter's context features, [B, C, L*H] (C up to a prompt's length); on the host they are packed per
         # call instead: at real sizes (L*H ~ 5 x 4,096) this buffer would be gigabytes of host memory
         on_host = device.type == "cpu"
         self._taps = None if on_host else torch.zeros(max_batch * max_seq_len * max(1, taps_width), device=device)
 
-    def _taps_buffer(self, shape: tuple[int, ...]) -> Tensor:
+    def _taps_buffer(self, shape: tuple[int, ...]) -> np.ndarray | Tensor:
         if self._taps is None:
-            return torch.zeros(shape)
+            return np.zeros(shape, np.float32) if self.numpy_io else torch.zeros(shape)
         view = self._taps[:torch.Size(shape).numel()].view(shape)
         view.zero_()
         return view
 
-    @staticmethod
-    def _stage(buffer: Tensor, host: Tensor) -> Tensor:
-        """``host`` copied into the leading elements of the flat ``buffer``, as a contiguous view of its shape."""
+    def _stage(self, buffer: Tensor, host: np.ndarray | Tensor) -> np.ndarray | Tensor:
+        """``host`` (a fresh, contiguous host array or tensor) as the executor's input: itself for a host executor,
+        else copied into the leading elements of the flat device ``buffer``, as a contiguous view of its shape."""
+        if self.numpy_io:
+            return host
+        host = torch.from_numpy(host) if isinstance(host, np.ndarray) else host
         view = buffer[:host.numel()].view(host.shape)
         view.copy_(host, non_blocking=True)
         return view
+
+    def _array(self, tensor: Tensor) -> np.ndarray | Tensor:
+        """A row's tensor (taps, on the backend's device) in the executor's kind of array (no copy)."""
+        return tensor.numpy() if self.numpy_io else tensor
 
     def _live_rows(self, lengths: list[int]) -> Tensor:
         """``[K]``: the cache rows a forward reads, up to the longest committed prefix of its rows (at least one)."""
         return self._cache_rows[:max(1, max(lengths))]
 
     @staticmethod
-    def _kept(executor: Executor, tensor: Tensor) -> Tensor:
-        return tensor.clone() if executor.reuses_outputs else tensor
+    def _kept(executor: Executor, output: np.ndarray | Tensor) -> Tensor:
+        """What the runtime gets of an output: a tensor of its own (a host array is shared, not copied)."""
+        if isinstance(output, np.ndarray):
+            return torch.from_numpy(output.copy() if executor.reuses_outputs else output)
+        return output.clone() if executor.reuses_outputs else output
 
     def target(self, executor: Executor, cache: StaticKVCache, rows: list[TargetRow], with_taps: bool
                ) -> list[tuple[Tensor, Tensor | None]]:
@@ -119,7 +145,7 @@ class GraphRows:
         outputs = executor.run({
             "tokens": self._stage(self._tokens, tokens), "positions": self._stage(self._positions, positions),
             "cache_positions": self._live_rows(starts),
-            "cache_lengths": self._stage(self._lengths, torch.tensor(starts)),
+            "cache_lengths": self._stage(self._lengths, np.array(starts, np.int64)),
             **_per_layer(keys, values)})
         results = []
         for index, row in enumerate(rows):
@@ -169,20 +195,20 @@ class GraphRows:
         context = max(1, layout.context_width)  # a graph input needs one column at least
         committed = [s - c for s, c in zip(layout.starts, layout.context_lens)]
         taps = self._taps_buffer((len(rows), context, rows[0].taps.shape[-1]))
-        context_positions = torch.full((len(rows), context), self.max_seq_len, dtype=torch.int64)
+        context_positions = np.full((len(rows), context), self.max_seq_len, np.int64)
         context_positions[:, context - layout.context_width:] = positions[:, :layout.context_width]
         for index, row in enumerate(rows):
             assert committed[index] <= cache.lengths[row.slot], "draft cache gap"
             assert row.start + len(row.block) <= self.max_seq_len, "draft cache overflow"
             if row.taps.shape[0]:  # right-aligned: the context ends right before the anchor
-                taps[index, context - row.taps.shape[0]:] = row.taps
+                taps[index, context - row.taps.shape[0]:] = self._array(row.taps)
         keys, values = cache.bound(list(layout.slots), max(1, max(committed)))
         outputs = executor.run({
             "block": self._stage(self._tokens, block),
-            "block_positions": self._stage(self._positions, positions[:, layout.context_width:]),
+            "block_positions": self._stage(self._positions, np.ascontiguousarray(positions[:, layout.context_width:])),
             "taps": taps, "context_positions": self._stage(self._context_positions, context_positions),
             "cache_positions": self._live_rows(committed),
-            "cache_lengths": self._stage(self._lengths, torch.tensor(committed)), **extra,
+            "cache_lengths": self._stage(self._lengths, np.array(committed, np.int64)), **extra,
             **_per_layer(keys, values)})
         for index, row in enumerate(rows):
             kept = slice(context - row.taps.shape[0], context)
@@ -199,8 +225,8 @@ class GraphRows:
             assert past <= cache.lengths[row.slot], "draft cache gap"
             keys, values = cache.prefix(row.slot, past)
             taps = self._taps_buffer((1, *row.taps.shape))
-            taps.copy_(row.taps.unsqueeze(0))
-            outputs = executor.run({"block": self._stage(self._tokens, torch.tensor([row.block], dtype=torch.int64)),
+            taps[0] = self._array(row.taps)
+            outputs = executor.run({"block": self._stage(self._tokens, np.array([row.block], np.int64)),
                                     "taps": taps, "past_keys": keys, "past_values": values})
             cache.store(row.slot, past, outputs["context_keys"][:, 0], outputs["context_values"][:, 0])
             results.append(self._kept(executor, outputs["draft_logits"][0, :len(row.block) - 1]))

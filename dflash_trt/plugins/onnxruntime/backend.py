@@ -78,8 +78,9 @@ def open_session(path: Path, quant_mode: str = "none", small_model: bool = False
 
 
 class OrtGraph:
-    """An :class:`~dflash_trt.plugins.graph_rows.Executor` over one ``InferenceSession``: CPU tensors in and out,
-    shared with numpy (no copy; ONNX Runtime reads a C-contiguous float32 input in place)."""
+    """An :class:`~dflash_trt.plugins.graph_rows.Executor` over one ``InferenceSession``, driven with numpy I/O: numpy
+    arrays (or CPU tensors, shared as numpy without a copy; ONNX Runtime reads a C-contiguous float32 input in place)
+    in, numpy arrays out."""
 
     reuses_outputs = False  # every run returns new arrays
 
@@ -88,9 +89,9 @@ class OrtGraph:
         self.input_names = frozenset(i.name for i in session.get_inputs())
         self.output_names = [o.name for o in session.get_outputs()]
 
-    def run(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-        outputs = self.session.run(self.output_names, {name: tensor.numpy() for name, tensor in inputs.items()})
-        return {name: torch.from_numpy(array) for name, array in zip(self.output_names, outputs)}
+    def run(self, inputs: dict[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
+        feeds = {name: value.numpy() if isinstance(value, Tensor) else value for name, value in inputs.items()}
+        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
 
 
 class OrtBackend(SlotCaches):
@@ -135,7 +136,7 @@ class OrtBackend(SlotCaches):
                                              draft_config.head_dim, self.dtype, extra_rows=0, gather=True,
                                              prefix=graphs.drafter == "plugin")
         taps = draft_config.num_taps * target_config.hidden_size if draft_config is not None else 0
-        self._rows = GraphRows(max_batch, max_seq_len, taps, torch.device("cpu"))
+        self._rows = GraphRows(max_batch, max_seq_len, taps, torch.device("cpu"), numpy_io=True)
 
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         """Shapes per row: logits ``[T_i, V]`` (``[1, V]`` with ``last_only``), taps ``[T_i, L*H]`` or None. A row's
@@ -240,8 +241,8 @@ class _InPlaceTarget:
             inputs["seqlens_k"][:] = 0
             inputs["query_seqlens"][:] = 0
         at = entries if count > len(rows) else slice(None)
-        inputs["tokens"][at] = tokens.numpy()
-        inputs["positions"][at] = positions.numpy()
+        inputs["tokens"][at] = tokens
+        inputs["positions"][at] = positions
         inputs["seqlens_k"][at] = starts + widths - 1
         inputs["query_seqlens"][at] = widths
         inputs["total_length"][...] = (starts + widths).max()
