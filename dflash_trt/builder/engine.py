@@ -17,7 +17,8 @@ Layout (format version 5)::
                                                                             backend of those engines)
     tokenizer/<tok512.bin | tokenizer.json>
     onnx/target_step.onnx, onnx/draft.onnx | draft_plugin.onnx               onnxruntime
-    onnx/target.onnx, onnx/draft.onnx, onnx/draft_plugin.onnx                tensorrt
+    onnx/target.onnx, onnx/draft.onnx, onnx/draft_plugin.onnx                tensorrt (no draft_plugin.onnx for a
+                                                                            DFlash2 drafter)
     tensorrt/target.plan, tensorrt/draft.plan, tensorrt/libdflash_plugins.so tensorrt (GPU)
     quant/target/                                                           --quant (ModelOpt export)
     trtllm/llm_api_options.yaml, trtllm/target/, trtllm/draft/              trtllm (hard links, no rewrite)

@@ -25,7 +25,10 @@ in a forward to the graph without copying them. Padding tokens sit at position `
   ``key_cache.{l}``/``value_cache.{l} [B, nkv, S, d]`` per layer -> ``draft_logits [B, Bc-1, V]``,
   ``context_keys``/``context_values [B, n, nkv, C, d]`` (the context rows to append; block K/V never survive a
   cycle, docs/algorithm.md). Per-row masks give each row its own context length, causal or bidirectional and
-  sliding-window layers alike. Every drafter graph contains the target's embedding and LM head.
+  sliding-window layers alike. Every drafter graph contains the target's embedding and LM head. A DFlash2 drafter's
+  ``draft.onnx`` walks its candidate selector in the graph (:class:`SelectorDraftGraph`): ``temperature [B]`` and
+  ``uniforms [B, Bc-1]`` in (after ``cache_lengths``), ``draft_tokens [B, Bc-1]``, ``candidates``/``proposal_probs
+  [B, Bc-1, k]`` out instead of ``draft_logits``.
 
 The cache inputs of every graph are per layer, ``[B, nkv, S, d]``: views of the runtime's one layer-major slot
 cache (``model/kv_cache.py``), contiguous for a run of consecutive slots.
