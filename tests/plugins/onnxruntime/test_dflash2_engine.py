@@ -20,6 +20,7 @@ from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.runtime.session import Session
 
 pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.slow  # one engine build (ONNX export)
 
 TARGET = TargetSpec()
 DFLASH2 = DraftSpec(seed=40, architecture="dflash2", distill_steps=60, selector_scale=0.5)  # as test_dflash2_session
@@ -113,3 +114,20 @@ def test_the_graph_proposes_what_the_torch_backend_proposes(sessions):
             torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-6)
             assert bool((got.probs.sum(-1) - 1).abs().max() < 1e-5)
     assert results[0][0].probs is None and results[0][1].probs is not None  # T = 0: the best path, no q
+    # the selector does real work here: some chosen token is not its slot's best logit (an argmax graph would fail)
+    assert any(not torch.equal(p.tokens, p.support[:, 0]) for p in results[1])
+
+
+def test_cli_run_on_the_engine_equals_no_draft_token_for_token(engine):
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import main
+
+    prompt = ",".join(map(str, training_prompts(DFLASH2.seed, DFLASH2.distill_prompts)[1]))
+    common = ["run", "--json", "--stop-token-ids", "", "--engine", str(engine), "--prompt-ids", prompt,
+              "--max-new-tokens", "40"]
+    outputs = [CliRunner().invoke(main, common + extra) for extra in ([], ["--no-draft"])]
+    assert all(result.exit_code == 0 for result in outputs), [result.output for result in outputs]
+    speculative, plain = (json.loads(result.output) for result in outputs)
+    assert speculative["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 40
+    assert speculative["stats"]["mean_acceptance_length"] > 1

@@ -22,6 +22,7 @@ from dflash_trt.plugins.interface import DraftRow, TargetRow
 from dflash_trt.plugins.tensorrt.backend import TensorRTBackend
 
 pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.slow  # one engine build (ONNX export)
 
 TARGET = TargetSpec()
 DFLASH2 = DraftSpec(seed=43, architecture="dflash2", block_size=5, sliding=(False, True), conv_kernel_size=3,
