@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_trt.errors import RequestError
 from dflash_trt.model.kv_cache import StaticKVCache
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
 from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow
@@ -164,12 +165,18 @@ class GraphRows:
         return [self._kept(executor, outputs["draft_logits"][index, :len(row.block) - 1])
                 for index, row in enumerate(rows)]
 
-    def propose(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow]) -> list[DraftProposal]:
+    def propose(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow], max_block: int | None = None
+                ) -> list[DraftProposal]:
         """A DFlash2 drafter's ``draft.onnx`` (the candidate selector walked in the graph, ``export_onnx``'s
         ``SelectorDraftGraph``): every row in one call, greedy rows (temperature 0) and sampled ones (their uniforms)
         alike. Per row a :class:`DraftProposal` on the cache's device: tokens ``[Bc_i - 1]``, support and, for a
-        sampled row, probs ``[Bc_i - 1, k]``."""
+        sampled row, probs ``[Bc_i - 1, k]``. ``max_block``: the build's block length, over which the graph's walk is
+        unrolled (a longer block is refused: the walk would stop short of it)."""
         width = max(len(row.block) for row in rows) - 1
+        if max_block is not None and width + 1 > max_block:
+            raise RequestError(f"block_len is {width + 1}; expected <= {max_block}, the block this engine's DFlash2 "
+                               f"drafter graph walks its candidate selector over (build --block-len). Fix: pass "
+                               f"block_len <= {max_block}, or rebuild the engine with --block-len {width + 1}.")
         temperatures = torch.tensor([row.temperature for row in rows], dtype=torch.float32)
         draws = self._uniforms[:len(rows) * width].view(len(rows), width)
         draws.zero_()

@@ -53,7 +53,8 @@ def _onnxruntime_backend(pair, max_seq_len, engine=None, max_batch=1):
     graphs = graph_variants(engine.manifest, engine.folder)  # declared at build time, never read off the graphs
     return OrtBackend(pair.target.config, pair.draft.config if pair.draft is not None else None,
                       engine.target_graph, engine.draft_graph if pair.draft is not None else None, max_seq_len,
-                      engine.manifest.quantization.mode, max_batch, graphs=graphs)
+                      engine.manifest.quantization.mode, max_batch, graphs=graphs,
+                      max_block_len=engine.manifest.build.block_len)
 
 
 def _tensorrt_backend(pair, max_seq_len, engine=None, max_batch=1):

@@ -103,7 +103,7 @@ class OrtBackend(SlotCaches):
 
     def __init__(self, target_config: TargetConfig, draft_config: DraftConfig | None, target_graph: Path,
                  draft_graph: Path | None, max_seq_len: int, quant_mode: str = "none", max_batch: int = 1, *,
-                 graphs: GraphVariants) -> None:
+                 graphs: GraphVariants, max_block_len: int | None = None) -> None:
         try:
             import onnxruntime  # noqa: F401
         except ImportError as exc:
@@ -112,6 +112,7 @@ class OrtBackend(SlotCaches):
         self.target_config = target_config
         self.draft_config = draft_config
         self.graphs = graphs
+        self.max_block_len = max_block_len  # the build's --block-len: a DFlash2 graph's walk is unrolled over it
         self.dtype = torch.float32
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
@@ -156,7 +157,7 @@ class OrtBackend(SlotCaches):
         """A DFlash2 drafter (the manifest's ``graphs.proposals`` is ``selector``): the draft call with the candidate
         selector walked in the graph, every row at once (greedy rows and sampled ones with their uniforms)."""
         assert self._draft is not None and self.graphs.proposals == "selector", "propose_batch() needs a DFlash2 graph"
-        return self._rows.propose(self._draft, self.draft_cache, rows)
+        return self._rows.propose(self._draft, self.draft_cache, rows, self.max_block_len)
 
 
 class _Binding:

@@ -95,8 +95,10 @@ class TensorRTBackend(SlotCaches):
         self.draft_config = pair.draft.config if pair.draft is not None else None
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
+        self.max_block_len = None  # the build's --block-len (a DFlash2 plan's walk is unrolled over it)
         if plans is None:
             plans, plugin_drafter = self._load_plans(engine)
+            self.max_block_len = engine.manifest.build.block_len
         self._target, self._draft = plans
         self.plugin_drafter = plugin_drafter
         device_ = torch.device(self.device)
@@ -175,4 +177,4 @@ class TensorRTBackend(SlotCaches):
         """A DFlash2 drafter: the draft call with the candidate selector walked in the plan (built from the standard
         graph: a DFlash2 drafter has no plugin-node variant), every row at once; proposals on ``device``."""
         assert self._draft is not None and self.draft_cache is not None, "propose_batch() needs a drafter plan"
-        return self._rows.propose(self._draft, self.draft_cache, rows)
+        return self._rows.propose(self._draft, self.draft_cache, rows, self.max_block_len)

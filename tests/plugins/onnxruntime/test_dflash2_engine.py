@@ -131,3 +131,13 @@ def test_cli_run_on_the_engine_equals_no_draft_token_for_token(engine):
     speculative, plain = (json.loads(result.output) for result in outputs)
     assert speculative["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 40
     assert speculative["stats"]["mean_acceptance_length"] > 1
+
+
+def test_a_block_longer_than_the_graph_walks_is_refused_with_the_fix(sessions):
+    from dflash_trt.errors import RequestError
+
+    ours, _ = sessions
+    prompt = training_prompts(DFLASH2.seed, DFLASH2.distill_prompts)[0]
+    with pytest.raises(RequestError, match=r"block_len is 6; expected <= 4.*Fix: pass block_len <= 4, or rebuild"):
+        ours.generate(prompt, SamplingParams(max_new_tokens=8, block_len=6))
+    assert ours.generate(prompt, SamplingParams(max_new_tokens=8)).token_ids  # the session goes on
