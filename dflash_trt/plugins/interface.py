@@ -32,6 +32,11 @@ class TargetRow:
     start: int
     last_only: bool = False  # prefill: only the last row's logits are needed
 
+    @property
+    def width(self) -> int:
+        """``len(tokens)`` (a tensor's without ``Tensor.__len__``, which costs microseconds of Python)."""
+        return self.tokens.shape[0] if isinstance(self.tokens, Tensor) else len(self.tokens)
+
 
 def host_tokens(rows: list[TargetRow]) -> list[TargetRow]:
     """``rows`` with every tensor of tokens as a host list, for backends whose inputs are host arrays (one read of

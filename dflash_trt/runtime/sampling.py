@@ -48,9 +48,16 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k
     return probs
 
 
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
 def argmax_rows(logits: Tensor) -> Tensor:
-    """``logits.argmax(-1)``: the first maximum on ties and a NaN counted as the maximum. Shapes: ``[..., V]`` ->
-    int64 ``[...]``."""
+    """``logits.argmax(-1)``: the first maximum on ties and a NaN counted as the maximum, as torch does. A CPU tensor
+    goes through numpy (a view of the same memory, no copy): torch's CPU argmax is an unvectorised reduction, ~620 us
+    on a step's ``[256, 512]`` logits against ~40 us for numpy's (single thread, this repository's 2-core machine).
+    On a GPU it is torch's, on the device. Shapes: ``[..., V]`` -> int64 ``[...]``."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(logits.detach().numpy().argmax(-1))
     return logits.argmax(-1)
 
 

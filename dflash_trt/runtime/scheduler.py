@@ -68,11 +68,11 @@ class Scheduler:
         self._closed = False
 
     def subscribe(self, subscriber: Subscriber, timed: bool = False) -> None:
-        """Call ``subscriber(report)`` after every step, from the worker thread; ``timed``: it reads the report's
-        times, so steps measure them from now on. Subscribing twice is a no-op."""
+        """Call ``subscriber(report)`` after every step from the next one on, from the worker thread; ``timed``: it
+        reads the report's times, so steps measure them. Subscribing twice is a no-op; any thread may subscribe."""
+        self.timed = self.timed or timed  # first: a step that sees the subscriber also measures its times
         if subscriber not in self.subscribers:
-            self.subscribers.append(subscriber)
-        self.timed = self.timed or timed
+            self.subscribers = [*self.subscribers, subscriber]  # a new list: a running step keeps its own
 
     def submit(self, make_state: Callable[[int], RequestState], sink: Sink, cancelled: threading.Event) -> None:
         with self._wake:
@@ -170,19 +170,20 @@ class Scheduler:
             return
         batch = list(self.active)
         entries = {id(entry.state): entry for entry in batch}
-        began = self.clock() if self.timed else 0.0
+        subscribers, timed = list(self.subscribers), self.timed  # as of this step (``subscribe`` may run meanwhile)
+        began = self.clock() if timed else 0.0
         cycles, report = run_step(self.backend, [entry.state for entry in batch], self.draft_lengths(),
-                                  self._fail_state(entries), self.clock if self.timed else None)
+                                  self._fail_state(entries), self.clock if timed else None)
         for state, cycle in cycles:
             entry = entries[id(state)]
             entry.sink(cycle)
             if state.finished:
                 self._release(entry)
-        if self.subscribers and report.rows:
-            if self.timed:
+        if subscribers and report.rows:
+            if timed:
                 report = replace(report, seconds=self.clock() - began)
             self._step_entries = entries
-            for subscriber in self.subscribers:
+            for subscriber in subscribers:
                 subscriber(report)
 
     # ----------------------------------------------------------------- subscribers

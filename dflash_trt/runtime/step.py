@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -31,10 +32,12 @@ from dflash_trt.errors import NumericalError
 from dflash_trt.model.transfer import to_device
 from dflash_trt.plugins.interface import Backend, DraftProposal, DraftRow, TargetRow
 from dflash_trt.runtime.request import Cycle, RequestState
-from dflash_trt.runtime.sampling import draw, has_mass, sampling_probs, uniforms
+from dflash_trt.runtime.sampling import argmax_rows, draw, has_mass, sampling_probs, uniforms
 from dflash_trt.runtime.verify import DraftProbs, RowLayout, Verdicts, accept_matching, accept_rejection
 
 Fail = Callable[[RequestState, BaseException], None]
+_CACHED_SHAPES = 256
+"""Step shapes (draft counts per row) whose index tensors are kept for reuse."""
 """Called for a request whose own work failed; the step goes on without it."""
 
 
@@ -84,7 +87,8 @@ def run_step(backend: Backend, states: list[RequestState], lengths: list[int], f
     groups: dict[tuple, _Group] = {}
     walks: dict[int, dict] = {}  # DFlash2: each drafting row's selector walk (temperature, proposal uniforms)
     for index, (state, count) in enumerate(zip(states, counts)):
-        group = groups.setdefault(_setting(state), _Group(_setting(state), [], [], []))
+        key = _setting(state)
+        group = groups.get(key) or groups.setdefault(key, _Group(key, [], [], []))
         group.rows.append(index)
         group.counts.append(count)
         if state.rule != "greedy":
@@ -191,7 +195,7 @@ def prefill(backend: Backend, states: list[RequestState], fail: Fail) -> list[tu
     for i in live:
         state, last = states[i], results[i][0][-1:]
         if state.rule == "greedy":
-            firsts.append(last.argmax(-1))
+            firsts.append(argmax_rows(last))
             finite.append(torch.ones(1, dtype=torch.long, device=last.device))
         else:
             probs = sampling_probs(last, state.params.temperature, state.params.top_p, state.params.top_k)
@@ -249,7 +253,8 @@ def _propose(group: _Group, states: list[RequestState], draft_logits: dict[int, 
         return
     logits = torch.cat([draft_logits[i] for i in drafting]) if drafting else None  # [N, V]
     if group.rule != "rejection":
-        group.proposals = logits.argmax(-1) if logits is not None else torch.empty(0, dtype=torch.long, device=device)
+        group.proposals = (argmax_rows(logits) if logits is not None
+                           else torch.empty(0, dtype=torch.long, device=device))
         return
     group.q = DraftProbs(sampling_probs(logits, *group.key[1:]) if logits is not None
                          else torch.empty(0, 1, device=device))
@@ -274,27 +279,40 @@ def _rejection_uniforms(group: _Group) -> tuple[Tensor, Tensor, Tensor]:
 def _verify_tokens(states: list[RequestState], counts: list[int], groups: dict[tuple, _Group]) -> Tensor:
     """``[R, K+1]`` verify tokens on the device, one row per state: its anchor, then its proposals (padding -1,
     never sent)."""
-    offsets, base = {}, len(states)
-    for group in groups.values():
-        for i, count in zip(group.rows, group.counts):
-            offsets[i] = base
-            base += count
-    width = max(counts, default=0) + 1
-    index = [i if j == 0 else (offsets[i] + j - 1 if j <= counts[i] else base)
-             for i in range(len(states)) for j in range(width)]
     device = states[0].generator.device
-    host = to_device([s.anchor for s in states] + index, device)
-    anchors, index = host.split([len(states), len(index)])
-    source = torch.cat([anchors, *(group.proposals for group in groups.values()), anchors.new_full((1,), -1)])
-    return source[index].view(len(states), width)
+    anchors = to_device([s.anchor for s in states] + [-1], device)  # the -1 is the padding's source
+    index = _token_index(tuple(counts), tuple(tuple(group.rows) for group in groups.values()), device)
+    return torch.cat([anchors, *(group.proposals for group in groups.values())])[index]
+
+
+@lru_cache(maxsize=_CACHED_SHAPES)
+def _token_index(counts: tuple[int, ...], groups: tuple[tuple[int, ...], ...], device: torch.device) -> Tensor:
+    """Where each verify token comes from in ``[anchors, -1, proposals of each group in turn]``: ``[R, K+1]``. A
+    function of the step's shape only, so steady-state steps reuse it instead of copying it over again."""
+    rows, offsets = len(counts), {}
+    base = rows + 1
+    for members in groups:
+        for i in members:
+            offsets[i] = base
+            base += counts[i]
+    width = max(counts, default=0) + 1
+    index = [i if j == 0 else (offsets[i] + j - 1 if j <= counts[i] else rows)
+             for i in range(rows) for j in range(width)]
+    return to_device(index, device).view(rows, width)
+
+
+@lru_cache(maxsize=_CACHED_SHAPES)
+def _layout(counts: tuple[int, ...], device: torch.device) -> RowLayout:
+    """``RowLayout.of``, reused by steps of the same counts (in steady state, every step of a batch)."""
+    return RowLayout.of(counts, device)
 
 
 def _accept(group: _Group, results: dict[int, tuple[Tensor, Tensor | None]]) -> tuple[Verdicts, Tensor]:
     """The group's verdicts and, per row, whether its distributions were finite (``[R]`` bool)."""
     logits = torch.cat([results[i][0] for i in group.rows])  # [N + R, V]
-    layout = RowLayout.of(group.counts, logits.device)
+    layout = _layout(tuple(group.counts), logits.device)
     if group.rule == "greedy":
-        return accept_matching(group.proposals, logits.argmax(-1), layout), layout.counts_t >= 0
+        return accept_matching(group.proposals, argmax_rows(logits), layout), layout.counts_t >= 0
     target_probs = sampling_probs(logits, *group.key[1:])
     finite = has_mass(target_probs)[layout.target_slots].all(1)
     if group.rule == "onehot":

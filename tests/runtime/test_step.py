@@ -1,8 +1,10 @@
 """One batched step (dflash_trt/runtime/step.py): one host read per step, measurement only when subscribed.
 
-The host-read count wraps every way torch hands a tensor's values to Python (``item``, ``tolist``, ``cpu``,
-``numpy``/``__array__``, ``int()``/``float()``/``bool()``/``__index__``, and ``to`` a CPU device from another) while
-the scheduler's worker runs a step, on the torch backend, and requires exactly one per step: the verdicts' transfer.
+The host-read count wraps every way torch hands a tensor's values to Python (``item``, ``tolist``,
+``int()``/``float()``/``bool()``/``__index__``), and every copy to host memory (``cpu``, ``numpy``/``__array__``,
+``to`` a CPU device) of a tensor that is not already there, while the scheduler's worker runs a step on the torch
+backend, and requires exactly one per step: the verdicts' transfer. (A CPU tensor's ``numpy()`` is a view of the same
+memory, not a copy: ``sampling.argmax_rows`` takes numpy's argmax on a CPU for speed, and never on a GPU.)
 On a GPU every such read is a device sync; one per step means nothing waits between the draft and the verify calls.
 (Reads inside torch's C++ ops are not seen here; the step uses none that sync on CUDA: no boolean-mask indexing,
 ``nonzero`` or data-dependent shapes.)
@@ -20,7 +22,8 @@ from dflash_trt.runtime.policy import SpeculationConfig
 from dflash_trt.runtime.session import Session
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went", "One day, a bird"]
-READS = ("item", "tolist", "cpu", "numpy", "__array__", "__int__", "__float__", "__bool__", "__index__")
+READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")  # values to Python, on any device
+COPIES = ("cpu", "numpy", "__array__")  # to host memory: a read where the tensor is not there already
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +58,8 @@ class HostReads:
         monkeypatch.setattr(scheduler, "_step", counted_step)
         for name in READS:
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        for name in COPIES:
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name), off_cpu=True))
         to = torch.Tensor.to
 
         def counted_to(tensor, *args, **kwargs):
@@ -70,9 +75,10 @@ class HostReads:
         if reads is not None:
             reads.append(name)
 
-    def _wrap(self, name: str, method):
+    def _wrap(self, name: str, method, off_cpu: bool = False):
         def counted(tensor, *args, **kwargs):
-            self._note(name)
+            if not off_cpu or tensor.device.type != "cpu":
+                self._note(name)
             return method(tensor, *args, **kwargs)
 
         return counted

@@ -117,7 +117,7 @@ class TorchBackend(SlotCaches):
 
     @torch.inference_mode()
     def target_batch(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
-        width = max(len(r.tokens) for r in rows)
+        width = max(r.width for r in rows)
         # half precision runs the target in frames (model/frames.py), which the compiled graphs do not
         use_graphs = self.graphs is not None and self.graphs.enabled and not uses_frames(self.dtype)
         if use_graphs and width <= MAX_BUCKET_WIDTH:
@@ -128,10 +128,10 @@ class TorchBackend(SlotCaches):
         if len(rows) == 1 and rows[0].slot == 0:
             return [self.target(tokens, rows[0].start, with_taps, rows[0].last_only)]
         layout = TargetLayout(tuple(r.slot for r in rows), tuple(r.start for r in rows),
-                              tuple(len(r.tokens) for r in rows))
+                              tuple(r.width for r in rows))
         logits, taps = self.target_model(tokens, layout, self.target_cache, self.tap_ids if with_taps else ())
-        return [(logits[i, len(r.tokens) - 1:len(r.tokens)] if r.last_only else logits[i, :len(r.tokens)],
-                 taps[i, :len(r.tokens)] if taps is not None else None) for i, r in enumerate(rows)]
+        return [(logits[i, r.width - 1:r.width] if r.last_only else logits[i, :r.width],
+                 taps[i, :r.width] if taps is not None else None) for i, r in enumerate(rows)]
 
     @torch.inference_mode()
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
@@ -205,15 +205,15 @@ class TorchBackend(SlotCaches):
                          ) -> list[tuple[Tensor, Tensor | None]] | None:
         cache = self.target_cache
         cache.check_rows(tuple(r.slot for r in rows), tuple(r.start for r in rows),
-                         tuple(r.start + len(r.tokens) for r in rows))
+                         tuple(r.start + r.width for r in rows))
         # tokens are built where they live (a verify row's are on the device); positions and slots on the host
         tokens = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         positions = torch.full((batch, width), cache.pad_position, dtype=torch.long)
         slots = torch.full((batch,), rows[0].slot, dtype=torch.long)  # padding rows: pad position of a used slot
         for index, row in enumerate(rows):
-            tokens[index, :len(row.tokens)] = (row.tokens if isinstance(row.tokens, Tensor)
+            tokens[index, :row.width] = (row.tokens if isinstance(row.tokens, Tensor)
                                                else to_device(row.tokens, self.device))
-            positions[index, :len(row.tokens)] = torch.arange(row.start, row.start + len(row.tokens))
+            positions[index, :row.width] = torch.arange(row.start, row.start + row.width)
             slots[index] = row.slot
         positions, slots = to_device(positions, self.device), to_device(slots, self.device)
         tap_ids = self.tap_ids if with_taps else ()
@@ -222,9 +222,9 @@ class TorchBackend(SlotCaches):
         if out is None:  # compilation failed: the caller runs the eager forward
             return None
         logits, taps = out
-        cache.commit_rows(tuple(r.slot for r in rows), tuple(r.start + len(r.tokens) for r in rows))
-        return [(logits[i, len(r.tokens) - 1:len(r.tokens)] if r.last_only else logits[i, :len(r.tokens)],
-                 taps[i, :len(r.tokens)] if taps is not None else None) for i, r in enumerate(rows)]
+        cache.commit_rows(tuple(r.slot for r in rows), tuple(r.start + r.width for r in rows))
+        return [(logits[i, r.width - 1:r.width] if r.last_only else logits[i, :r.width],
+                 taps[i, :r.width] if taps is not None else None) for i, r in enumerate(rows)]
 
     def _draft_compiled(self, rows: list[DraftRow], batch: int, width: int, context: int) -> list[Tensor] | None:
         cache, pad = self.draft_cache, self.draft_cache.pad_position
