@@ -16,7 +16,7 @@ Layout (format version 5)::
     onnx/target.safetensors, onnx/draft/{config.json,model.safetensors}     onnxruntime, tensorrt (and the torch
                                                                             backend of those engines)
     tokenizer/<tok512.bin | tokenizer.json>
-    onnx/target_step.onnx, onnx/draft.onnx | draft_plugin.onnx               onnxruntime
+    onnx/target_step.onnx, onnx/draft.onnx [+ draft_step.onnx] | draft_plugin.onnx  onnxruntime
     onnx/target.onnx, onnx/draft.onnx, onnx/draft_plugin.onnx                tensorrt (no draft_plugin.onnx for a
                                                                             DFlash2 drafter)
     tensorrt/target.plan, tensorrt/draft.plan, tensorrt/libdflash_plugins.so tensorrt (GPU)
@@ -65,6 +65,7 @@ _ROLES_BACKENDS: dict[str, tuple[BackendName, ...]] = {
     "tokenizer": ("torch", "onnxruntime", "tensorrt", "trtllm"),
     "target_graph": ("onnxruntime", "tensorrt"),
     "draft_graph": ("onnxruntime", "tensorrt"),
+    "draft_graph_step": ("onnxruntime",),
     "draft_graph_plugin": ("onnxruntime", "tensorrt"),
     "graph_weights": ("onnxruntime", "tensorrt"),
     "target_plan": ("tensorrt",),
@@ -254,7 +255,7 @@ def _role_of(relative: str) -> str:
     table = {"torch/target.safetensors": "target_weights", "onnx/target.safetensors": "target_weights",
              "onnx/target.onnx": "target_graph",
              "onnx/target_step.onnx": "target_graph",
-             "onnx/draft.onnx": "draft_graph",
+             "onnx/draft.onnx": "draft_graph", "onnx/draft_step.onnx": "draft_graph_step",
              "onnx/draft_plugin.onnx": "draft_graph_plugin",
              "tensorrt/target.plan": "target_plan", "tensorrt/draft.plan": "draft_plan",
              "trtllm/llm_api_options.yaml": "trtllm_config", "quantization.json": "quant_config"}
@@ -478,7 +479,8 @@ def _build_into(config: BuildConfig, work: Path, step) -> Manifest:
         variants = GraphVariants(target="in_place" if config.backend == "onnxruntime" else "rows",
                                  drafter=None if pair.draft is None else
                                  "plugin" if drafter_graph == "plugin" else "batched",
-                                 proposals="selector" if selector else "logits")
+                                 proposals="selector" if selector else "logits",
+                                 one_row_drafter="in_place" if (work / "onnx" / "draft_step.onnx").is_file() else None)
         stored_dtype = _dtype_name(work / "onnx" / "target.safetensors")
         backends.append("onnxruntime")
     if config.backend == "tensorrt":
@@ -528,7 +530,13 @@ def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_gr
     """The target graph plus the drafter graph(s): ONNX Runtime gets ``target_step.onnx`` (which updates its KV caches
     in place) and ``draft.onnx`` (every drafting row in one call) or the plugin variant; TensorRT gets ``target.onnx``
     and both drafter variants."""
-    from dflash_trt.builder.export_onnx import export_draft, export_step_target, export_target
+    from dflash_trt.builder.export_onnx import (
+        export_draft,
+        export_step_draft,
+        export_step_target,
+        export_target,
+        in_place_drafter,
+    )
     from dflash_trt.formats.manifest import PluginStamp
     from dflash_trt.plugins.schema import BLOCK_ATTENTION
 
@@ -550,6 +558,10 @@ def _export_graphs(pair: ModelPair, work: Path, limits, backend: str, drafter_gr
         name = "draft_plugin.onnx" if variant == "plugin" else "draft.onnx"
         step(f"export drafter ONNX ({variant})", lambda name=name, variant=variant: export_draft(
             pair.draft, pair.target, onnx_dir / name, limits, plugin=variant == "plugin", weights=draft_weights))
+    if backend == "onnxruntime" and variants == ["standard"] and pair.draft.candidate_selector is None \
+            and in_place_drafter(pair.draft):  # a draft call of one row runs in place: cheaper than draft.onnx
+        step("export drafter ONNX (one row, in place)", lambda: export_step_draft(
+            pair.draft, pair.target, onnx_dir / "draft_step.onnx", limits, draft_weights))
     return (PluginStamp(**BLOCK_ATTENTION.stamp()),) if "plugin" in variants else ()
 
 

@@ -18,6 +18,13 @@ in a forward to the graph without copying them. Padding tokens sit at position `
   ``value_cache.{l} [B, nkv, S, d]`` per layer -> ``logits [B, T, V]``, ``taps [B, T, L*H]`` (outputs of the tapped
   layers in ``target_layer_ids`` order), ``new_keys``/``new_values [B, N, nkv, T, d]`` (the runtime writes them at
   each row's positions).
+* ``draft_step.onnx`` (ONNX Runtime engines whose drafter has full-attention layers only, beside ``draft.onnx``): a
+  draft call of one row. ``block``/``block_positions [1, Bc]`` int64, ``taps [1, C, L*H]``, ``context_positions
+  [1, C]``, ``seqlens_k [1]`` int32 (``start + Bc - 1``), ``total_length []`` int32, ``key_cache.{l}``/
+  ``value_cache.{l} [1, nkv, S, d]`` -> ``draft_logits [1, Bc-1, V]``, ``present_key.{l}``/``present_value.{l}``:
+  each layer's attention is one ``GroupQueryAttention`` node over ``[context ; block]`` (bidirectional or causal as
+  the layer is) that writes their K/V after the committed rows, in place (the kernel takes several new rows after a
+  past for one row only, so it cannot serve several rows); the runtime commits up to the anchor.
 * ``draft.onnx`` (every engine with a drafter; opset 23 with single-node RoPE and attention for ONNX Runtime, 20
   for TensorRT): every drafting row in one call. ``block [B, Bc]`` int64 (anchor + masks), ``block_positions
   [B, Bc]``, ``taps [B, C, L*H]`` (each row's new context rows, right-aligned), ``context_positions [B, C]``
@@ -35,7 +42,7 @@ cache (``model/kv_cache.py``), contiguous for a run of consecutive slots.
 
 All are traced from the model's own modules (``TargetModel.run_layers``, ``DraftHead.run_layers`` and its
 visibility rule): only the K/V store is the graph's own (:class:`_InPlaceCache`, :class:`_BoundCache`,
-:class:`_BoundKeys`).
+:class:`_BoundKeys`, :class:`_InPlaceDraftKeys`).
 
 ``draft_plugin.onnx`` is the TensorRT variant: attention is one ``DFlashBlockAttention`` node per layer
 (schema ``dflash::block_attention``), whose rows share one context length, so it keeps the prefix I/O
@@ -364,6 +371,60 @@ class SelectorDraftGraph(DraftGraph):
         walk = self.head.candidate_selector.walk(padded, logits, block[:, 0], sampled_choice(temperature, draws))
         probs = walk.probabilities(torch.where(temperature > 0, temperature, torch.ones_like(temperature)))
         return walk.tokens[:, :count], walk.candidates[:, :count], probs[:, :count]
+
+
+class _InPlaceDraftKeys:
+    """The drafter's key source in ``draft_step.onnx`` (ONNX Runtime, a draft call of one row): each layer's attention is
+    one ``com.microsoft.GroupQueryAttention`` node over the rows ``[new context ; block]``. The node writes their K/V
+    into the layer's cache buffer after the committed rows, in place as in the target graph, and attends over the
+    buffer, bidirectional or causal as the layer is. The context rows' queries are zeros and their outputs are
+    dropped (only their K/V matter); the runtime commits the cache up to the anchor, so the block rows written after
+    it are overwritten by the next call. Shapes: caches ``[1, nkv, S, d]`` per layer; positions ``[1, c]`` and
+    ``[1, T]``; ``seqlens_k [1]`` int32 (``start + T - 1``); ``total_length []`` int32."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], context_positions: Tensor, block_positions: Tensor,
+                 lengths: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor) -> None:
+        self.keys, self.values, (self.seqlens_k, self.total_length) = keys, values, lengths
+        self.block_positions, self.cos, self.sin = block_positions, cos, sin
+        self.positions = torch.cat([context_positions, block_positions], dim=1)  # [1, c+T]
+        self.present: list[Tensor] = []
+
+    def attend(self, layer: int, attn, q: Tensor, k: Tensor, v: Tensor, context: int) -> Tensor:
+        heads, kv_heads = attn.num_heads, attn.num_kv_heads
+        keys = _rotate(k, self.positions, kv_heads, self.cos, self.sin)
+        queries = torch.cat([q.new_zeros(q.shape[0], context, q.shape[2]),
+                             _rotate(q, self.block_positions, heads, self.cos, self.sin)], dim=1)
+        out, present_key, present_value = _group_query_attention(queries, keys, v, self.keys[layer],
+                                                                 self.values[layer], self.seqlens_k,
+                                                                 self.total_length, heads, kv_heads, attn.causal)
+        self.present += [present_key, present_value]
+        return out[:, context:]  # [1, T, nq*d]
+
+
+class DraftStepGraph(_DrafterGraph):
+    """The ONNX Runtime drafter graph: ``DraftHead.run_layers`` plus the borrowed embedding and LM head over
+    per-layer cache buffers updated in place (:class:`_InPlaceDraftKeys`), one request per call. Drafters with
+    sliding-window layers keep :class:`DraftGraph` (the kernel's window is causal only)."""
+
+    def __init__(self, head: DraftHead, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        super().__init__(head, embed_weight, lm_head_weight)
+        _register_rope_tables(self, head.rotary)
+
+    def forward(self, block: Tensor, block_positions: Tensor, taps: Tensor, context_positions: Tensor,
+                seqlens_k: Tensor, total_length: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+        head = self.head
+        layers = head.config.num_layers
+        keys = _InPlaceDraftKeys(list(caches[:layers]), list(caches[layers:]), context_positions, block_positions,
+                                 (seqlens_k, total_length), self.rope_cos, self.rope_sin)
+        embeds = self.embed_block(block)
+        hidden = head.run_layers(embeds, taps, None, None, keys)  # the key source rotates
+        present = keys.present
+        return (head.logits(hidden[:, 1:], self.lm_head),) + tuple(present[0::2]) + tuple(present[1::2])
+
+
+def in_place_drafter(head: DraftHead) -> bool:
+    """Whether ``draft_step.onnx`` can express this drafter (every layer full attention, causal or not)."""
+    return not any(head.config.layer_sliding)
 
 
 class PluginDraftGraph(_DrafterGraph):
@@ -744,6 +805,43 @@ def export_draft(head: DraftHead, target: TargetModel, path: Path, limits: Graph
     dynamic["rest"] = rest + tuple({0: batch, 2: cache_len} for _ in caches)  # forward's *rest: then the caches
     inputs, outputs = draft_graph_io(cfg.num_layers, selector)
     return _export(graph, args + caches, inputs, outputs, dynamic, path, {}, limits.opset, weights)
+
+
+def draft_step_graph_io(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Input and output names of ``draft_step.onnx``."""
+    inputs = (("block", "block_positions", "taps", "context_positions", "seqlens_k", "total_length")
+              + _per_layer(num_layers, "key_cache", "value_cache"))
+    return inputs, ("draft_logits",) + _per_layer(num_layers, "present_key", "present_value")
+
+
+def export_step_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits,
+                      weights: Mapping[str, StoredTensor] | None = None) -> Path:
+    """Write ``draft_step.onnx`` (float32, ONNX Runtime only): a draft call of one row, its cache extended in place;
+    faster than ``draft.onnx`` for one row (no cache rows copied or written back), which serves the others (see
+    :func:`in_place_drafter`)."""
+    from torch.export import Dim
+
+    cfg = head.config
+    dtype = head.fc.weight.dtype
+    example_block = 2 if limits.block_len == 2 else 3
+    example_context, example_cache = 5, 13
+    start = 9
+    block = Dim("block", min=2, max=max(example_block, limits.block_len))
+    context = Dim("context", min=1, max=limits.max_seq_len)
+    cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
+    caches = tuple(torch.zeros(1, cfg.num_kv_heads, example_cache, cfg.head_dim, dtype=dtype)
+                   for _ in range(2 * cfg.num_layers))
+    args = (torch.randint(0, cfg.vocab_size, (1, example_block)), torch.arange(start, start + example_block)[None],
+            torch.zeros(1, example_context, cfg.num_taps * cfg.hidden_size, dtype=dtype),
+            torch.arange(start - example_context, start)[None],
+            torch.tensor([start + example_block - 1], dtype=torch.int32),
+            torch.tensor(start + example_block, dtype=torch.int32)) + caches
+    inputs, outputs = draft_step_graph_io(cfg.num_layers)
+    dynamic = {"block": {1: block}, "block_positions": {1: block}, "taps": {1: context},
+               "context_positions": {1: context}, "seqlens_k": {}, "total_length": {},
+               "caches": tuple({2: cache_len} for _ in caches)}
+    return _export(DraftStepGraph(head, target.embed_tokens.weight, target.lm_head.weight), args, inputs, outputs,
+                   dynamic, path, {}, OPSET_ONNXRUNTIME, weights)
 
 
 def _export_plugin_draft(head: DraftHead, target: TargetModel, path: Path, limits: GraphLimits,

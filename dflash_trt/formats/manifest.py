@@ -59,7 +59,7 @@ EnginePath = Annotated[str, AfterValidator(_inside_folder)]
 """A path relative to the engine folder that cannot leave it (symbolic links are checked by ``artefact_file``)."""
 
 ArtefactRole = Literal["target_weights", "draft_weights", "tokenizer", "target_graph", "draft_graph",
-                       "draft_graph_plugin", "graph_weights", "target_plan", "draft_plan", "plugin_library",
+                       "draft_graph_step", "draft_graph_plugin", "graph_weights", "target_plan", "draft_plan", "plugin_library",
                        "plugin_source", "trtllm_config", "trtllm_target", "trtllm_draft", "quant_config",
                        "quant_target"]
 
@@ -155,6 +155,11 @@ class GraphVariants(BaseModel):
         description="What the drafter graph returns. logits: draft_logits (a DFlash drafter: the runtime takes their "
                     "argmax or samples them); selector: a DFlash2 drafter's candidate-selector walk in the graph "
                     "(inputs temperature and uniforms; outputs draft_tokens, candidates and proposal_probs).")
+    one_row_drafter: Literal["in_place"] | None = Field(
+        default=None,
+        description="in_place: onnx/draft_step.onnx serves a draft call of one row, extending its cache in place "
+                    "(GroupQueryAttention; cheaper than draft.onnx for one row, which serves several); null: "
+                    "draft.onnx serves every draft call (a drafter with sliding-window layers, or a DFlash2 one).")
 
 
 class DFlashSettings(BaseModel):

@@ -72,7 +72,7 @@ def _padded_ids(rows: list, width: int) -> np.ndarray:
     """``[B, width]`` int64 of host id rows (lists or CPU tensors), right-padded with 0."""
     ids = np.zeros((len(rows), width), np.int64)
     for index, row in enumerate(rows):
-        ids[index, :len(row)] = row
+        ids[index, :len(row)] = row.numpy() if isinstance(row, Tensor) else row
     return ids
 
 

@@ -54,7 +54,8 @@ def _onnxruntime_backend(pair, max_seq_len, engine=None, max_batch=1):
     return OrtBackend(pair.target.config, pair.draft.config if pair.draft is not None else None,
                       engine.target_graph, engine.draft_graph if pair.draft is not None else None, max_seq_len,
                       engine.manifest.quantization.mode, max_batch, graphs=graphs,
-                      max_block_len=engine.manifest.build.block_len)
+                      max_block_len=engine.manifest.build.block_len,
+                      draft_step_graph=engine.path_of("draft_graph_step") if graphs.one_row_drafter else None)
 
 
 def _tensorrt_backend(pair, max_seq_len, engine=None, max_batch=1):

@@ -9,7 +9,7 @@ onnx = pytest.importorskip("onnx")
 from engine_builds import built_engine  # noqa: E402
 
 from dflash_trt.builder.export_onnx import (  # noqa: E402
-    OPSET, OPSET_ONNXRUNTIME, draft_graph_io, step_graph_io, target_graph_io)
+    OPSET, OPSET_ONNXRUNTIME, draft_graph_io, draft_step_graph_io, step_graph_io, target_graph_io)
 from dflash_trt.plugins.onnx_nodes import plugin_nodes, to_ort_domain  # noqa: E402
 
 
@@ -70,12 +70,12 @@ def test_standard_drafter_graph_uses_only_standard_ops(engine):
 @pytest.mark.parametrize("is_causal", [None, True], ids=["bidirectional", "causal"])
 def test_full_attention_drafter_gets_the_batched_graph_and_the_manifest_declares_it(tmp_path_factory, is_causal):
     """Every drafter, sliding-window layers or not, gets ``draft.onnx`` (every drafting row in one call), and the
-    manifest declares the graphs the runtime drives (format 5): nothing is read off their input names."""
+    manifest declares the graphs the runtime drives (format 5): nothing is read off their input names. A drafter
+    with full-attention layers only also gets ``draft_step.onnx`` for calls of one row."""
     from dflash_trt.formats.manifest import FORMAT_VERSION, read_manifest
 
     folder = built_engine(tmp_path_factory.getbasetemp(), f"ort-full-{is_causal}", backend="onnxruntime",
                           drafter={"sliding": False, "is_causal": is_causal})
-    assert not (folder / "onnx" / "draft_step.onnx").exists()
     model, inputs, outputs = _io(folder / "onnx" / "draft.onnx")
     assert (tuple(inputs), tuple(outputs)) == draft_graph_io(2)
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
@@ -83,6 +83,16 @@ def test_full_attention_drafter_gets_the_batched_graph_and_the_manifest_declares
     manifest = read_manifest(folder)
     assert manifest.format_version == FORMAT_VERSION == 5
     assert (manifest.graphs.target, manifest.graphs.drafter) == ("in_place", "batched")
+    # and draft_step.onnx for a draft call of one row: each layer one GroupQueryAttention node (bidirectional or
+    # causal as the layer is) extending its cache buffer in place
+    assert manifest.graphs.one_row_drafter == "in_place" and manifest.artefact("draft_graph_step") is not None
+    model, inputs, outputs = _io(folder / "onnx" / "draft_step.onnx")
+    assert (tuple(inputs), tuple(outputs)) == draft_step_graph_io(2)
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert [(n.input[3], n.output[1]) for n in attention] == [("key_cache.0", "present_key.0"),
+                                                             ("key_cache.1", "present_key.1")]
+    causal = {onnx.helper.get_attribute_value(a) for n in attention for a in n.attribute if a.name == "causal"}
+    assert causal == {1 if is_causal else 0}
 
 
 def test_plugin_drafter_graph_has_one_node_per_layer_with_trt_plugin_attributes(tmp_path_factory):

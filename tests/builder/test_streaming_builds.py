@@ -130,7 +130,8 @@ def test_an_onnxruntime_engine_stores_each_weight_once_in_the_checkpoint_dtype(h
     assert manifest.build.dtype == "bfloat16"
     assert {p.name for p in out.rglob("*") if p.is_file()} == {
         "manifest.json", "target.safetensors", "model.safetensors", "config.json", "target_step.onnx",
-        "draft.onnx"}  # no external-data copy, no float32 torch weights (and no tokenizer in this folder)
+        "draft.onnx", "draft_step.onnx"}
+    # no external-data copy, no float32 torch weights (and no tokenizer in this folder)
     locations = {}
     for graph in ("target_step.onnx", "draft.onnx"):
         model = onnx.load(str(out / "onnx" / graph), load_external_data=False)

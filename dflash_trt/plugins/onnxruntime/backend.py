@@ -103,7 +103,8 @@ class OrtBackend(SlotCaches):
 
     def __init__(self, target_config: TargetConfig, draft_config: DraftConfig | None, target_graph: Path,
                  draft_graph: Path | None, max_seq_len: int, quant_mode: str = "none", max_batch: int = 1, *,
-                 graphs: GraphVariants, max_block_len: int | None = None) -> None:
+                 graphs: GraphVariants, max_block_len: int | None = None,
+                 draft_step_graph: Path | None = None) -> None:
         try:
             import onnxruntime  # noqa: F401
         except ImportError as exc:
@@ -136,6 +137,9 @@ class OrtBackend(SlotCaches):
             self.draft_cache = StaticKVCache(draft_config.num_layers, max_batch, draft_config.num_kv_heads, max_seq_len,
                                              draft_config.head_dim, self.dtype, extra_rows=0, gather=True,
                                              prefix=graphs.drafter == "plugin")
+        self._draft_step = None  # the one-row drafter the manifest declares (graphs.one_row_drafter)
+        if drafting and graphs.one_row_drafter == "in_place" and draft_step_graph is not None:
+            self._draft_step = _InPlaceDrafter(open_session(draft_step_graph, quant_mode, small), self.draft_cache)
         taps = draft_config.num_taps * target_config.hidden_size if draft_config is not None else 0
         self._rows = GraphRows(max_batch, max_seq_len, taps, torch.device("cpu"), numpy_io=True)
 
@@ -151,6 +155,8 @@ class OrtBackend(SlotCaches):
         assert self._draft is not None, "draft_batch() needs a drafter graph"
         if self.graphs.drafter == "plugin":  # checks the custom op's parity on ONNX Runtime; not a fast path
             return self._rows.draft_plugin(self._draft, self.draft_cache, rows)
+        if len(rows) == 1 and self._draft_step is not None and rows[0].taps.shape[0]:
+            return [self._draft_step.run_row(rows[0])]  # one row: in place, no cache rows copied or written back
         return self._rows.draft(self._draft, self.draft_cache, rows)
 
     def propose_batch(self, rows: list[DraftRow]) -> list[DraftProposal]:
@@ -186,14 +192,9 @@ class _Binding:
         bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
 
-class _InPlaceTarget:
-    """The target's ``target_step.onnx`` (``builder/export_onnx.py``, :class:`StepGraph`) over the slot cache, which
-    its attention nodes read and extend in place, with each call shape's binding kept (least recently used dropped
-    past ``KEPT_BINDINGS``).
-
-    A call covers a range of slots; its rows are right-padded to the widest and the slots without a row are idle
-    entries (``query_seqlens``), so decode steps, verification blocks and prompts of many requests share calls
-    (:func:`plan_calls`)."""
+class _InPlaceGraph:
+    """A graph over the slot cache that its attention nodes read and extend in place, with each call shape's binding
+    kept (least recently used dropped past ``KEPT_BINDINGS``)."""
 
     KEPT_BINDINGS = 64
 
@@ -203,20 +204,35 @@ class _InPlaceTarget:
         self.output_widths = {o.name: o.shape[-1] for o in session.get_outputs() if not o.name.startswith("present")}
         self._bindings: dict[tuple, _Binding] = {}
 
-    def binding(self, first: int, count: int, width: int) -> _Binding:
-        """The binding of ``count`` slots from ``first`` for rows ``width`` wide."""
-        key = (first, count, width)
+    def _binding(self, first: int, count: int, shape: tuple, buffers) -> _Binding:
+        """The binding of ``count`` slots from ``first`` for call ``shape``; ``buffers()`` -> (inputs, outputs) makes
+        a new one's buffers."""
+        key = (first, count) + shape
         binding = self._bindings.pop(key, None)
         if binding is None:
-            inputs = {"tokens": np.zeros((count, width), np.int64), "positions": np.zeros((count, width), np.int64),
-                      "seqlens_k": np.zeros(count, np.int32), "total_length": np.zeros((), np.int32),
-                      "query_seqlens": np.zeros(count, np.int32)}
-            outputs = {name: np.zeros((count, width, size), np.float32) for name, size in self.output_widths.items()}
-            binding = _Binding(self.session, inputs, outputs, self.cache, first, count)
+            binding = _Binding(self.session, *buffers(), self.cache, first, count)
             if len(self._bindings) >= self.KEPT_BINDINGS:
                 self._bindings.pop(next(iter(self._bindings)))
         self._bindings[key] = binding  # most recently used last
         return binding
+
+
+class _InPlaceTarget(_InPlaceGraph):
+    """The target's ``target_step.onnx`` (``builder/export_onnx.py``, :class:`StepGraph`).
+
+    A call covers a range of slots; its rows are right-padded to the widest and the slots without a row are idle
+    entries (``query_seqlens``), so decode steps, verification blocks and prompts of many requests share calls
+    (:func:`plan_calls`)."""
+
+    def binding(self, first: int, count: int, width: int) -> _Binding:
+        """The binding of ``count`` slots from ``first`` for rows ``width`` wide."""
+        def buffers():
+            inputs = {"tokens": np.zeros((count, width), np.int64), "positions": np.zeros((count, width), np.int64),
+                      "seqlens_k": np.zeros(count, np.int32), "total_length": np.zeros((), np.int32),
+                      "query_seqlens": np.zeros(count, np.int32)}
+            return inputs, {name: np.zeros((count, width, size), np.float32) for name, size in self.output_widths.items()}
+
+        return self._binding(first, count, (width,), buffers)
 
     def run_rows(self, rows: list[TargetRow], with_taps: bool) -> list[tuple[Tensor, Tensor | None]]:
         results: list[tuple[Tensor, Tensor | None] | None] = [None] * len(rows)
@@ -256,6 +272,43 @@ class _InPlaceTarget:
             results[index] = (torch.from_numpy(logits[entry, kept].copy()),  # the buffers are reused
                               torch.from_numpy(taps[entry, :count].copy()) if with_taps and taps is not None
                               else None)
+
+
+class _InPlaceDrafter(_InPlaceGraph):
+    """The drafter's ``draft_step.onnx`` (``builder/export_onnx.py``, :class:`DraftStepGraph`) for a draft call of one
+    row: it writes the new context rows (and the block's, which the next call overwrites) after the committed ones,
+    in place, and the cache is committed up to the anchor. ONNX Runtime's kernel takes several new rows after a past
+    for one row only, so calls of several rows go to ``draft.onnx``."""
+
+    def __init__(self, session, cache: StaticKVCache) -> None:
+        super().__init__(session, cache)
+        self.taps_width = next(i.shape[-1] for i in session.get_inputs() if i.name == "taps")
+
+    def run_row(self, row: DraftRow) -> Tensor:
+        """Shapes: draft logits ``[Bc - 1, V]``."""
+        context, width = row.taps.shape[0], len(row.block)
+        past = row.start - context
+        assert context >= 1 and past <= self.cache.lengths[row.slot], "draft cache gap"
+        assert row.start + width <= self.cache.max_len, "draft cache overflow"
+
+        def buffers():
+            inputs = {"block": np.zeros((1, width), np.int64), "block_positions": np.zeros((1, width), np.int64),
+                      "taps": np.zeros((1, context, self.taps_width), np.float32),
+                      "context_positions": np.zeros((1, context), np.int64), "seqlens_k": np.zeros(1, np.int32),
+                      "total_length": np.zeros((), np.int32)}
+            return inputs, {"draft_logits": np.zeros((1, width - 1, self.output_widths["draft_logits"]), np.float32)}
+
+        bound = self._binding(row.slot, 1, (context, width), buffers)
+        inputs = bound.inputs
+        inputs["block"][0] = row.block
+        inputs["block_positions"][0] = np.arange(row.start, row.start + width)
+        inputs["taps"][0] = row.taps.numpy()
+        inputs["context_positions"][0] = np.arange(past, row.start)
+        inputs["seqlens_k"][0] = row.start + width - 1
+        inputs["total_length"][...] = row.start + width
+        self.session.run_with_iobinding(bound.io)
+        self.cache.lengths[row.slot] = row.start
+        return torch.from_numpy(bound.outputs["draft_logits"][0].copy())  # the buffers are reused
 
 
 MAX_PADDING = 0.5

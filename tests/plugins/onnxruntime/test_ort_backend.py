@@ -78,19 +78,28 @@ def full_attention_engines(tmp_path_factory):
 @pytest.mark.parametrize("slots", [(0,), (0, 1, 2, 3), (1, 3)], ids=["alone", "contiguous", "gathered"])
 def test_backend_calls_match_torch(engine, plugin_graph, full_attention_engines, variant, slots):
     """Draft graphs: ``draft.onnx`` for a drafter with a sliding layer and for bidirectional and causal drafters with
-    full-attention layers only (every drafting row in one call), and the plugin-node graph (one row per call)."""
+    full-attention layers only (every drafting row in one call; the latter's engines also hold ``draft_step.onnx``,
+    which serves a call of one row in place), and the plugin-node graph (one row per call)."""
     if variant.startswith("full"):
         engine = full_attention_engines[True if variant.endswith("causal") else None]
     pair = Session.load(engine, "torch").pair
     plugin = variant == "plugin"
+    graphs = read_manifest(engine).graphs
+    assert graphs.one_row_drafter == ("in_place" if variant.startswith("full") else None)
     ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx",
                              plugin_graph if plugin else engine / "onnx" / "draft.onnx", 512, max_batch=4,
-                             graphs=GraphVariants(target="in_place", drafter="plugin" if plugin else "batched"))
-    draft_calls = []
+                             graphs=graphs.model_copy(update={"drafter": "plugin"}) if plugin else graphs,
+                             draft_step_graph=engine / "onnx" / "draft_step.onnx")
+    draft_calls, step_calls = [], []
     run = ort_backend._draft.session.run
     ort_backend._draft.session.run = lambda *args: (draft_calls.append(1), run(*args))[1]
+    if ort_backend._draft_step is not None:
+        run_step = ort_backend._draft_step.session.run_with_iobinding
+        ort_backend._draft_step.session.run_with_iobinding = lambda io: (step_calls.append(1), run_step(io))[1]
     got, expected = _drive(ort_backend, slots), _drive(TorchBackend(pair, 512, 4), slots)
-    assert len(draft_calls) == 2 * (len(slots) if plugin else 1)  # two cycles: one call each, or one per row
+    one_row = len(slots) == 1 and variant.startswith("full")
+    assert len(step_calls) == (2 if one_row else 0)  # two cycles
+    assert len(draft_calls) == (0 if one_row else 2 * (len(slots) if plugin else 1))  # one call each, or one per row
     assert len(got) == len(expected) > 0
     for a, b in zip(got, expected):
         assert a.shape == b.shape
