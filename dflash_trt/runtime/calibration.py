@@ -65,9 +65,11 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
     slots = range(backend.max_batch)
     if context:
         backend.target_batch([TargetRow(slot, [0] * context, 0, last_only=True) for slot in slots], has_drafter)
+    # a DFlash2 drafter drafts through propose_batch (an engine's DFlash2 graph returns proposals, not logits)
+    draft_call = backend.propose_batch if getattr(config, "architecture", None) == "dflash2" else backend.draft_batch
     if has_drafter and context:  # the draft caches take in the same scratch context
-        backend.draft_batch([DraftRow(slot, [0, 0], torch.zeros(context, taps_width, dtype=dtype, device=device), context)
-                             for slot in slots])
+        draft_call([DraftRow(slot, [0, 0], torch.zeros(context, taps_width, dtype=dtype, device=device), context)
+                    for slot in slots])
 
     def restore() -> None:
         for slot in slots:
@@ -80,7 +82,7 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
             if has_drafter and width > 1:
                 drafts = [DraftRow(slot, [0] * width, torch.zeros(taps, taps_width, dtype=dtype, device=device), context)
                           for slot in range(batch)]
-                costs.calibrate("draft", batch, width, _timed(partial(backend.draft_batch, drafts), restore, clock))
+                costs.calibrate("draft", batch, width, _timed(partial(draft_call, drafts), restore, clock))
     for slot in slots:
         backend.reset_slot(slot)
     return costs

@@ -48,7 +48,8 @@ def test_the_manifest_declares_the_selector_graph_and_no_plugin_variant(engine):
     import onnx
 
     manifest = json.loads((engine / "manifest.json").read_text())
-    assert manifest["graphs"] == {"target": "in_place", "drafter": "batched", "proposals": "selector"}
+    graphs = manifest["graphs"]
+    assert (graphs["target"], graphs["drafter"], graphs["proposals"]) == ("in_place", "batched", "selector")
     assert manifest["draft_config"]["architecture"] == "dflash2"
     assert not (engine / "onnx" / "draft_plugin.onnx").exists()
     graph = onnx.load(str(engine / "onnx" / "draft.onnx"), load_external_data=False).graph
@@ -118,7 +119,8 @@ def test_the_graph_proposes_what_the_torch_backend_proposes(sessions):
     assert any(not torch.equal(p.tokens, p.support[:, 0]) for p in results[1])
 
 
-def test_cli_run_on_the_engine_equals_no_draft_token_for_token(engine):
+@pytest.mark.parametrize("speculation", ["static", "auto"])  # auto: start-up calibration drafts through the graph
+def test_cli_run_on_the_engine_equals_no_draft_token_for_token(engine, speculation):
     from click.testing import CliRunner
 
     from dflash_trt.cli import main
@@ -126,11 +128,12 @@ def test_cli_run_on_the_engine_equals_no_draft_token_for_token(engine):
     prompt = ",".join(map(str, training_prompts(DFLASH2.seed, DFLASH2.distill_prompts)[1]))
     common = ["run", "--json", "--stop-token-ids", "", "--engine", str(engine), "--prompt-ids", prompt,
               "--max-new-tokens", "40"]
-    outputs = [CliRunner().invoke(main, common + extra) for extra in ([], ["--no-draft"])]
+    outputs = [CliRunner().invoke(main, common + extra) for extra in (["--speculation", speculation], ["--no-draft"])]
     assert all(result.exit_code == 0 for result in outputs), [result.output for result in outputs]
     speculative, plain = (json.loads(result.output) for result in outputs)
     assert speculative["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 40
-    assert speculative["stats"]["mean_acceptance_length"] > 1
+    if speculation == "static":  # (auto may find that speculating does not pay on so small a target)
+        assert speculative["stats"]["mean_acceptance_length"] > 1
 
 
 def test_a_block_longer_than_the_graph_walks_is_refused_with_the_fix(sessions):
