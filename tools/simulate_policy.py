@@ -13,6 +13,7 @@ of the file is kept).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,11 +46,24 @@ def record(out: Path) -> None:
         print(f"{name}: {len(w.requests)} requests, tau {w.tau:.2f}")
 
 
-def table(out: Path, seed: int, requests_per_slot: int) -> None:
+def _cell(args: tuple) -> object:
     from dflash_trt.bench import simulate
 
+    regime, concurrency, workload, seed, requests_per_slot = args
+    return simulate.cell(regime, concurrency, traces.load()[workload], seed=seed, requests_per_slot=requests_per_slot)
+
+
+def table(out: Path, seed: int, requests_per_slot: int, jobs: int) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    from dflash_trt.bench import simulate
+    from dflash_trt.bench.sim_regimes import REGIMES
+
     began = time.perf_counter()
-    rows = simulate.table(seed=seed, requests_per_slot=requests_per_slot)
+    cells = [(r, c, w, seed, requests_per_slot) for r in REGIMES for c in simulate.CONCURRENCIES
+             for w in simulate.WORKLOADS]
+    with ProcessPoolExecutor(jobs) as pool:  # cells are independent and deterministic by seed
+        rows = list(pool.map(_cell, cells))
     text = simulate.render(rows, seed=seed, requests_per_slot=requests_per_slot,
                            command=f"python tools/simulate_policy.py table --out {out}")
     old = out.read_text(encoding="utf-8") if out.is_file() else ""
@@ -70,11 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     tab.add_argument("--out", type=Path, default=ROOT / "docs" / "adaptive.md")
     tab.add_argument("--seed", type=int, default=0)
     tab.add_argument("--requests-per-slot", type=int, default=4)
+    tab.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (cells run in parallel)")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.out)
     else:
-        table(args.out, args.seed, args.requests_per_slot)
+        table(args.out, args.seed, args.requests_per_slot, args.jobs)
     return 0
 
 

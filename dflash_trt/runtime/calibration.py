@@ -1,11 +1,13 @@
-"""Measure forward costs before serving (``auto`` speculation needs them from the first step).
+"""Measure the shape of the forward costs before serving (``auto`` speculation prices its first steps with it).
 
-Runs target and draft forwards over a grid of batch sizes and widths on scratch positions, then
-resets every cache slot. Every row first holds ``CONTEXT`` scratch positions, so a forward attends over
-a context like a served request's, not an empty cache (a step's cost grows with its context, and plain
-steps are measured online at the served contexts from the first step on). Takes about a second on small
-models; the scheduler keeps refining the same table from real traffic, and treats the grid as the shape
-of the costs whose scale traffic measures (``runtime/costs.py``).
+Times a few target and draft forwards on scratch positions, then resets every cache slot: verify at 1 token and
+at the full block, and draft at the full block, at batch 1 and at the largest batch (then at a middle width and
+batch where time allows), cheapest first, and stops starting new points once ``BUDGET_S`` seconds have passed.
+Every row first holds ``CONTEXT`` scratch positions, so a forward attends over a context like a served
+request's. The cost model reads these points as the *shape* of the costs and anchors them on what plain steps
+cost in traffic, which it measures from the first step on (``runtime/costs.py``): a few points suffice, and a
+point left out is interpolated. A full batch x width grid took minutes on a CPU for a bf16 Qwen3-0.6B-shaped
+target (docs/serving-notes.md §13).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ import torch
 from dflash_trt.plugins.interface import Backend, DraftRow, TargetRow
 from dflash_trt.runtime.costs import CostModel
 
-_REPEATS = 5
+_REPEATS = 3
+"""Timed calls per point (after a warm-up), fewer once the budget is spent."""
+
+BUDGET_S = 10.0
+"""Seconds after which calibration starts no new point (a point under way finishes)."""
 
 CONTEXT = 64
 """Scratch positions every calibration row attends over (fewer where the cache is shorter)."""
@@ -29,21 +35,33 @@ TAPS = 4
 """Context taps each timed draft row takes in: about what a cycle accepts, so a steady-state draft call."""
 
 
-def _grid(limit: int) -> list[int]:
-    values, value = [], 1
-    while value < limit:
-        values.append(value)
-        value *= 2
-    return values + [limit]
+def _points(max_batch: int, block_len: int, has_drafter: bool) -> list[tuple[str, int, int]]:
+    """``(kind, batch, width)`` in the order they are timed: the corners of the batch x width range first (the
+    cheapest first), then a middle width and a middle batch."""
+    mid_width = min(4, block_len)
+    mid_batch = max(1, int(round(max_batch ** 0.5)))
+    points = []
+    for batch in dict.fromkeys((1, max_batch)):
+        points += [("verify", batch, 1), ("verify", batch, block_len)]
+        points += [("draft", batch, block_len)] if has_drafter and block_len > 1 else []
+        if batch == 1:
+            points += [("verify", 1, mid_width)] + ([("draft", 1, mid_width)] if has_drafter and mid_width > 1 else [])
+    for batch in dict.fromkeys((max_batch, mid_batch)):
+        points += [("verify", batch, mid_width)] + ([("draft", batch, mid_width)] if has_drafter and mid_width > 1
+                                                   else [])
+    for batch in dict.fromkeys((mid_batch,)):
+        points += [("verify", batch, 1), ("verify", batch, block_len)]
+        points += [("draft", batch, block_len)] if has_drafter and block_len > 1 else []
+    return list(dict.fromkeys(points))
 
 
-def _timed(run, restore, clock: Callable[[], float]) -> float:
-    """Median of ``_REPEATS`` timed calls after a warm-up, ``restore()`` between calls (untimed). The median,
-    like the online estimate: a best-of would be biased low against the online medians it is compared to."""
+def _timed(run, restore, clock: Callable[[], float], deadline: float) -> float:
+    """Median of up to ``_REPEATS`` timed calls after a warm-up (one once ``deadline`` has passed), ``restore()``
+    between calls (untimed). The median, like the online estimate."""
     run()  # warm-up
     restore()
     times = []
-    for _ in range(_REPEATS):
+    while len(times) < _REPEATS and (not times or clock() < deadline):
         began = clock()
         run()
         times.append(clock() - began)
@@ -52,9 +70,11 @@ def _timed(run, restore, clock: Callable[[], float]) -> float:
 
 
 def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: int, max_seq_len: int,
-              clock: Callable[[], float] = time.perf_counter) -> CostModel:
-    """Fill ``costs`` with the median time of verify and draft forwards (batch x width grid) at a context of
-    ``CONTEXT`` scratch positions (bounded so the widest block still fits ``max_seq_len``)."""
+              clock: Callable[[], float] = time.perf_counter, budget_s: float = BUDGET_S) -> CostModel:
+    """Fill ``costs`` with the median time of a few verify and draft forwards (``_points``) at a context of
+    ``CONTEXT`` scratch positions (bounded so the widest block still fits ``max_seq_len``), starting no new point
+    after ``budget_s`` seconds (batch 1's are always timed)."""
+    deadline = clock() + budget_s
     config = backend.draft_config
     taps_width = len(config.target_layer_ids) * config.hidden_size if has_drafter else 0
     block_len = max(block_len, 1)
@@ -75,14 +95,18 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
         for slot in slots:
             backend.crop_target_slot(slot, context)
 
-    for batch in _grid(backend.max_batch):
-        for width in _grid(block_len):
-            rows = [TargetRow(slot, [0] * width, context) for slot in range(batch)]
-            costs.calibrate("verify", batch, width, _timed(partial(backend.target_batch, rows, has_drafter), restore, clock))
-            if has_drafter and width > 1:
-                drafts = [DraftRow(slot, [0] * width, torch.zeros(taps, taps_width, dtype=dtype, device=device), context)
-                          for slot in range(batch)]
-                costs.calibrate("draft", batch, width, _timed(partial(draft_call, drafts), restore, clock))
+    for index, (kind, batch, width) in enumerate(_points(backend.max_batch, block_len, has_drafter)):
+        if batch > 1 and clock() >= deadline:  # batch 1 is always timed: its points are the cheapest
+            break
+        if kind == "verify":
+            run = partial(backend.target_batch, [TargetRow(slot, [0] * width, context) for slot in range(batch)],
+                          has_drafter)
+        else:  # a DFlash2 drafter's draft call includes its selector walk (what the step calls)
+            draft = backend.propose_batch if getattr(config, "architecture", None) == "dflash2" else backend.draft_batch
+            run = partial(draft, [DraftRow(slot, [0] * width, torch.zeros(taps, taps_width, dtype=dtype,
+                                                                           device=device), context)
+                                  for slot in range(batch)])
+        costs.calibrate(kind, batch, width, _timed(run, restore, clock, deadline))
     for slot in slots:
         backend.reset_slot(slot)
     return costs

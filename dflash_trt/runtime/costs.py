@@ -1,29 +1,25 @@
-"""Measured step costs on this machine: verify and draft forward time as a function of batch and width,
-plus the rest of a scheduler step (sampling, acceptance, bookkeeping), with and without a draft call.
+"""Measured step costs: verify and draft forward time as a function of batch and width, plus the rest of a
+scheduler step (sampling, acceptance, bookkeeping), with and without a draft call.
 
-Filled by a short calibration at session start (``auto`` speculation) and refined online from
-every forward the scheduler runs (the median of the last few measurements per point, so one step
-stalled by a GC pause or a busy core does not move the estimate; the least of them while a point has fewer
-than ``_TRUSTED``: noise only ever adds time, and a point's first measurement is often a cold one). Lookups
-between measured points interpolate linearly in width and batch; outside them they extrapolate from the
-nearest edge.
+Two sources, read in this order:
 
-The policy compares points measured at very different rates: a plain step at the serving batch size is
-measured every step, a wide verify at that size only when something drafts. So calibration is read as the
-*shape* of the costs and traffic as their current *scale*: a calibrated point without ``_TRUSTED`` online
-measurements of its own costs its calibration time times the drift, the median ratio of online to calibrated
-time over the points of its kind and batch size that have them (of its kind at the nearest batch size while
-its own has none): the machine got busier, the served contexts are longer than the calibration's, and a
-forward run between forwards of the other network runs slower than the same forward repeated (on a 2-core
-CPU, ONNX Runtime: online / calibrated 1.6-2.2x for verify, 2.3-3.4x for draft). The decision then rests
-on ratios measured in traffic on this machine, not on how fast it was when the session started.
+1. **Traffic.** Every forward the scheduler runs is recorded at its point (batch size, tokens per row). A point
+   measured ``_TRUSTED`` times within the last ``_STALE_STEPS`` steps costs the median of its last ``_WINDOW``
+   measurements: one step stalled by a GC pause or a busy core does not move it, and a measurement taken during
+   a burst of load expires instead of pricing that point at the burst's cost for good.
+2. **The shape of the costs** (a short calibration at start-up, ``runtime/calibration.py``, or older traffic):
+   interpolated linearly in batch and width, and anchored on what plain decoding costs now. A verify of ``w``
+   tokens per row costs the plain step measured lately at its batch size plus what the shape says ``w - 1``
+   more tokens add, and that addition (and a draft forward) is scaled down when plain decoding now runs faster
+   than the shape says (a calibration on a busy machine), never up. A longer context or a busier machine than
+   the calibration's therefore prices a wide forward *low*: the policy tries it and traffic measures it.
+   Pricing it high instead is not self-correcting: a length priced too dear is never tried, so never
+   measured (a multiplicative "drift" from plain steps priced a 64-row 16-token verify at a 32k-token context
+   4x what it costs, on the simulated H200 in docs/adaptive.md).
 
-For the same reason a point's own measurements expire: one not measured for ``_STALE_STEPS`` steps falls back
-to its calibration times the current drift (a drafting overhead, to the plain step's plus what drafting added
-where it was measured lately). Otherwise a burst of load on a shared machine while drafting leaves drafting
-priced at the burst's cost: plain decoding, measured every step, recovers; drafting, priced too dear to be
-tried, is never measured again (a c=1 session served 560 steps plainly on a 5 ms drafting overhead measured
-during such a burst, where drafting steps took 0.7-1.3 ms outside their forwards before and after it).
+Plain verifies run most often, so they also tell how loaded the machine is now (:attr:`CostModel.load`); every
+other forward is kept over the load it ran at and priced at the load of now, so that drafting measured during a
+burst of load and plain decoding measured after it compare as they would at the same time.
 """
 
 from __future__ import annotations
@@ -38,13 +34,12 @@ _WINDOW = 9
 _HISTORY = 4096
 """Measurements per point kept for reports (:meth:`CostModel.breakdown` over a span of traffic)."""
 _TRUSTED = 3
-"""Online measurements a point needs before its own median replaces its (drift-scaled) calibration time."""
+"""Measurements a point needs within ``_STALE_STEPS`` before its own median is its cost (a first measurement
+is often a cold one: a session's first drafting step took 9 ms outside its forwards, later ones 0.7 ms)."""
+_LOAD_HISTORY = 64
+"""Plain verifies the usual time of one is the median of, for :attr:`CostModel.load`."""
 _STALE_STEPS = 256
-"""Scheduler steps after which a point's own measurements no longer count (it was not measured since)."""
-_REVIEW_STEPS = 16
-"""Steps between re-derivations of the drifts and of which points are stale (each measurement updates its own
-point at once, and every point at once if it moved a calibrated point by over 10%; re-deriving every point at
-every step cost ~0.1 ms of Python per step)."""
+"""Scheduler steps after which a point's measurements expire (it was not measured since)."""
 
 
 @dataclass(frozen=True)
@@ -85,76 +80,143 @@ class StepCosts:
 
 
 class CostModel:
-    """Seconds per forward, keyed by (batch size, tokens per row)."""
+    """Seconds per forward, keyed by (batch size, tokens per row), and per step outside the forwards."""
 
     def __init__(self) -> None:
-        # online estimate per point: the median of its last measurements (lookups read ``_estimate_table``)
-        self.table: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}
-        self.calibrated: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}  # the grid
-        # drafting step? -> batch size -> seconds of a step outside the forwards (per-request Python work
-        # grows with the batch, so one number for all sizes would misprice batch 1 and batch 64 alike)
-        self.overheads: dict[bool, dict[int, float]] = {False: {}, True: {}}
+        self.calibrated: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}  # the shape
+        self.table: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}  # latest online estimate
         self._steps = 0  # scheduler steps measured (one overhead each)
-        self._last: dict[tuple, int] = {}  # the step of each point's last measurement
-        # what lookups read (they run several times per scheduler step), re-derived every ``_REVIEW_STEPS``:
-        self._estimates: dict[str, dict[tuple[int, int], float]] | None = None  # kind -> point -> seconds
-        self._drafting_overheads: dict[int, float] | None = None  # batch -> seconds, the trusted ones
-        self._samples: dict[tuple, deque[float]] = {}
+        self.last_draft: tuple[int, int, float] | None = None  # (batch, width, seconds) of the last draft call
+        self._samples: dict[tuple, deque[float]] = {}  # point -> its last ``_WINDOW`` measurements (see _measured)
+        self._plain_history: dict[int, deque[float]] = {}  # batch -> its last plain verifies, for the load
+        # how much slower than usual plain steps run now: the median of the last few plain verifies over the median of
+        # the last ``_LOAD_HISTORY`` at the batch size plain decoding last ran at (1 until there are enough); a burst
+        # of load on a shared machine shows in a few steps
+        self.load = 1.0
+        self._last: dict[tuple, int] = {}  # point -> the step of its last measurement
         self._history: dict[tuple, deque[float]] = {}  # longer record per point, for reports only
         self._counts: dict[tuple, int] = {}  # measurements ever recorded per point (marks index into history)
-        # lookups run several times per scheduler step, so what they search is kept sorted and small:
-        self._layout: dict[str, tuple[list[int], dict[int, list[int]]] | None] = {"verify": None, "draft": None}
+        self._layouts: dict[str, tuple] = {}  # kind -> ((points id, count), sorted batches, sorted widths per batch)
+        self._overhead_batches: dict[bool, set[int]] = {False: set(), True: set()}
+        self._batches: dict[tuple[str, int], set[int]] = {}  # (kind, width) -> batch sizes traffic measured
+
+    # ---- measurements ----
+    def calibrate(self, kind: str, batch: int, width: int, seconds: float) -> None:
+        """A point of the cost shape, measured before serving."""
+        self.calibrated[kind][(batch, width)] = seconds
+
+    def record(self, kind: str, batch: int, width: int, seconds: float) -> None:
+        """One forward measured in traffic."""
+        self.table[kind][(batch, width)] = self._measured((kind, batch, width), seconds)
+        self._batches.setdefault((kind, width), set()).add(batch)
+        if kind == "draft":
+            self.last_draft = (batch, width, seconds)
 
     def record_overhead(self, drafting: bool, batch: int, seconds: float) -> None:
-        """One step's time outside its forwards. Nothing calibrates overheads, so a batch size counts as
-        measured only from its ``_TRUSTED``-th step on: a session's first drafting step at batch 1 took 9 ms
-        outside the forwards (first calls into the drafting code) where later ones took 0.7 ms, and that one
-        sample alone made drafting look hopeless."""
+        """One step's time outside its forwards (one call per scheduler step: it is the policy's step clock)."""
         self._steps += 1
-        if self._steps % _REVIEW_STEPS == 0:
-            self._estimates = self._drafting_overheads = None
-        sample_key = ("overhead", drafting, batch)
-        estimate = self._measured(sample_key, seconds)
-        if self._trusted(sample_key):
-            self.overheads[drafting][batch] = estimate
-            if drafting and self._drafting_overheads is not None:
-                self._drafting_overheads[batch] = estimate
+        self._overhead_batches[drafting].add(batch)
+        self._measured(("overhead", drafting, batch), seconds)
 
-    def _measured(self, sample_key: tuple, seconds: float) -> float:
-        """Keep one measurement; return the point's estimate: the median of its last ``_WINDOW``, the least
-        of them while it has fewer than ``_TRUSTED``."""
-        samples = self._samples.setdefault(sample_key, deque(maxlen=_WINDOW))
-        self._history.setdefault(sample_key, deque(maxlen=_HISTORY)).append(seconds)
-        self._counts[sample_key] = self._counts.get(sample_key, 0) + 1
-        if self._steps - self._last.get(sample_key, self._steps) > _STALE_STEPS:
-            samples.clear()  # expired: the point starts over, its old measurements do not come back with it
-        self._last[sample_key] = self._steps
-        samples.append(seconds)
-        return statistics.median(samples) if len(samples) >= _TRUSTED else min(samples)
+    def _measured(self, point: tuple, seconds: float) -> float:
+        """Keep one measurement; return the point's estimate. A plain verify is kept as measured and tells how
+        loaded the machine is now (:attr:`load`); any other forward is kept over the load it ran at, so that
+        what drafting costs and what plain decoding costs compare at the same load, whenever each was measured."""
+        samples = self._samples.setdefault(point, deque(maxlen=_WINDOW))
+        if not self._fresh(point):
+            samples.clear()  # expired: its old measurements do not come back with it
+        plain = point[0] == "verify" and point[2] == 1
+        if plain:
+            history = self._plain_history.setdefault(point[1], deque(maxlen=_LOAD_HISTORY))
+            history.append(seconds)
+            self.load = (statistics.median(list(history)[-_TRUSTED:]) / statistics.median(history)
+                         if len(history) >= 2 * _TRUSTED else 1.0)
+        samples.append(seconds if plain or point[0] == "overhead" else seconds / self.load)
+        self._last[point] = self._steps
+        self._history.setdefault(point, deque(maxlen=_HISTORY)).append(seconds)
+        self._counts[point] = self._counts.get(point, 0) + 1
+        return self._own(point)
+
+    def _fresh(self, point: tuple) -> bool:
+        return point in self._last and self._steps - self._last[point] <= _STALE_STEPS
+
+    def _own(self, point: tuple) -> float | None:
+        """The point's cost now if traffic measured it lately (the median of its last measurements, the least of
+        them while it has fewer than ``_TRUSTED``: noise only ever adds time), else None."""
+        samples = self._samples.get(point)
+        if not samples or not self._fresh(point):
+            return None
+        typical = statistics.median(samples) if len(samples) >= _TRUSTED else min(samples)
+        return typical if point[0] == "overhead" or point[2] == 1 and point[0] == "verify" else typical * self.load
+
+    # ---- lookups ----
+    def verify(self, batch: int, width: int) -> float:
+        near = self._near("verify", batch, width)
+        if near is not None:
+            return near
+        shape_plain, shape = self._shape("verify", batch, 1), self._shape("verify", batch, width)
+        plain = self._near("verify", batch, 1)
+        if plain is None:
+            return shape
+        return plain + max(shape - shape_plain, 0.0) * min(1.0, plain / shape_plain)
+
+    def draft(self, batch: int, width: int) -> float:
+        if not batch:
+            return 0.0
+        near = self._near("draft", batch, width)
+        if near is not None:
+            return near
+        plain = self._near("verify", batch, 1)
+        scale = min(1.0, plain / self._shape("verify", batch, 1)) if plain is not None else 1.0
+        return self._shape("draft", batch, width) * scale
+
+    def _near(self, kind: str, batch: int, width: int) -> float | None:
+        """A forward as traffic measured it lately: at this point, else at the nearest batch size within a factor
+        of two measured at this width, scaled by the shape (the batch of a busy server drifts by a few requests
+        from step to step, and shrinks as a wave of requests ends). None if neither."""
+        own = self._own((kind, batch, width))
+        if own is not None:
+            return own
+        measured = [b for b in self._batches.get((kind, width), ()) if batch <= 2 * b and b <= 2 * batch
+                    and self._own((kind, b, width)) is not None]
+        if not measured:
+            return None
+        near = min(measured, key=lambda b: (abs(b - batch), -b))
+        return self._own((kind, near, width)) * self._shape(kind, batch, width) / self._shape(kind, near, width)
 
     def overhead(self, drafting: bool, batch: int) -> float:
-        """Step time outside the forwards at this batch size (0 until measured). A drafting step is assumed
-        no cheaper than a plain one; at a batch size where no drafting step ran lately, it is this size's plain
-        overhead plus what drafting added at the nearest sizes where both ran lately (interpolated between them):
-        a plain step's overhead at the serving size is measured from its first steps, while borrowing the
-        drafting overhead measured at batch 1 priced batch-16 drafting steps at 0.7 ms that took 2-2.7 ms."""
-        plain = _overhead_at(self.overheads[False], batch)
+        """Step time outside the forwards at this batch size (0 until measured). A drafting step is assumed no
+        cheaper than a plain one; at a batch size where no drafting step ran lately, it is this size's plain
+        overhead plus what drafting added at the nearest sizes where both ran lately (batch-16 drafting steps
+        took 2-2.7 ms outside their forwards where batch-1 ones took 0.7 ms)."""
+        plains = self._overheads(False)
+        plain = _overhead_at(plains, batch)
         if not drafting:
             return plain
-        plains = self.overheads[False]
-        if self._drafting_overheads is None:
-            self._drafting_overheads = {b: v for b, v in self.overheads[True].items()
-                                        if self._trusted(("overhead", True, b))}
-        measured = self._drafting_overheads
+        measured = self._overheads(True)
         both = sorted(b for b in measured if b in plains)
         if batch in measured or not both:
             return max(_overhead_at(measured, batch), plain)
         return plain + max(_clamped(both, batch, lambda b: measured[b] - plains[b]), 0.0)
 
-    def _trusted(self, sample_key: tuple) -> bool:
-        """Measured ``_TRUSTED`` times since it last expired, and lately (within ``_STALE_STEPS`` steps)."""
-        return (len(self._samples.get(sample_key, ())) >= _TRUSTED
-                and self._steps - self._last[sample_key] <= _STALE_STEPS)
+    def _overheads(self, drafting: bool) -> dict[int, float]:
+        """Batch size -> the overhead of steps of this kind measured ``_TRUSTED`` times lately (a session's first
+        drafting step at batch 1 took 9 ms outside its forwards, later ones 0.7 ms: that one alone made drafting look
+        hopeless)."""
+        found = {}
+        for batch in self._overhead_batches[drafting]:
+            point = ("overhead", drafting, batch)
+            if len(self._samples[point]) >= _TRUSTED and self._fresh(point):  # a first one is often a cold one
+                found[batch] = self._own(point)
+        return found
+
+    def known(self, batch: int, drafting: int, draft_len: int) -> bool:
+        """Whether traffic measured the forwards of such a step lately, at this batch size or one near it
+        (``_near``; else :meth:`step` is a guess from the shape)."""
+        if self._near("verify", batch, draft_len + 1) is None:
+            return False
+        return not draft_len or (self._near("draft", drafting, draft_len + 1) is not None
+                                 and any(batch <= 2 * b and b <= 2 * batch for b in self._overheads(True)))
 
     def step(self, batch: int, drafting: int, draft_len: int, context: int = 0) -> float:
         """Predicted seconds of one step: verify of ``draft_len + 1`` tokens per row, a draft call for
@@ -166,6 +228,36 @@ class CostModel:
         return (self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1 + context)
                 + self.overhead(True, batch))
 
+    @staticmethod
+    def draft_len_candidates(max_len: int) -> list[int]:
+        """Draft lengths the auto policy considers: 0, powers of two minus one, and the maximum."""
+        candidates = {0, max_len}
+        k = 1
+        while k < max_len:
+            candidates.add(k)
+            k = k * 2 + 1
+        return sorted(candidates)
+
+    def _shape(self, kind: str, batch: int, width: int) -> float:
+        """The cost shape at a point: the calibration grid, or (without one) every point traffic measured,
+        linear in batch then width between points, extrapolated linearly beyond them."""
+        points = self.calibrated[kind] or self.table[kind]
+        if not points:
+            raise LookupError(f"no {kind} costs measured yet; calibrate first")
+        if (batch, width) in points:
+            return points[(batch, width)]
+        layout = self._layouts.get(kind)
+        if layout is None or layout[0] != (id(points), len(points)):  # a new point: sort the keys again
+            widths: dict[int, list[int]] = {}
+            for b, w in points:
+                bisect.insort(widths.setdefault(b, []), w)
+            layout = self._layouts[kind] = ((id(points), len(points)), sorted(widths), widths)
+        _, batches, widths = layout
+        # a batch size measured at one width only (calibration ran out of time) says nothing about width
+        batches = [b for b in batches if width in widths[b] or len(widths[b]) > 1] or batches
+        return _interpolate(batches, batch, lambda b: _interpolate(widths[b], width, lambda w: points[(b, w)]))
+
+    # ---- reports ----
     def mark(self) -> dict[tuple, int]:
         """A point in the traffic: :meth:`breakdown` ``since`` it prices only forwards measured after it."""
         return dict(self._counts)
@@ -175,12 +267,12 @@ class CostModel:
 
         ``since`` (a :meth:`mark`): each part is the mean of that point's measurements after the mark (up to the
         last few thousand), where there are any: a mean, like a throughput, pays for every stalled step.
-        Otherwise, and without ``since``, the current (median) estimate.
+        Otherwise, and without ``since``, the current estimate.
         Raises ``LookupError`` until verify and draft forwards were measured."""
-        def part(sample_key: tuple, estimate) -> float:
+        def part(point: tuple, estimate) -> float:
             if since is not None:
-                fresh = self._counts.get(sample_key, 0) - since.get(sample_key, 0)
-                history = list(self._history.get(sample_key, ()))[-fresh:] if fresh > 0 else []
+                fresh = self._counts.get(point, 0) - since.get(point, 0)
+                history = list(self._history.get(point, ()))[-fresh:] if fresh > 0 else []
                 if history:
                     return statistics.fmean(history)
             return estimate()
@@ -192,103 +284,10 @@ class CostModel:
                          part(("draft", batch, width), lambda: self.draft(batch, width)),
                          part(("overhead", True, batch), lambda: self.overhead(True, batch)))
 
-    def calibrate(self, kind: str, batch: int, width: int, seconds: float) -> None:
-        """A calibration grid point: the shape of the costs, scaled by the drift until traffic measures it."""
-        if (batch, width) not in self.calibrated[kind] and (batch, width) not in self.table[kind]:
-            self._layout[kind] = None
-        self.calibrated[kind][(batch, width)] = seconds
-        self._estimates = None
-
-    def record(self, kind: str, batch: int, width: int, seconds: float) -> None:
-        """One forward measured in traffic."""
-        key = (batch, width)
-        if key not in self.table[kind] and key not in self.calibrated[kind]:
-            self._layout[kind] = None
-        value = self.table[kind][key] = self._measured((kind, batch, width), seconds)
-        if self._estimates is None or (key in self.calibrated[kind] and not self._trusted((kind, *key))):
-            return
-        before = self._estimates[kind].get(key)
-        if key in self.calibrated[kind] and (before is None or abs(value - before) > 0.1 * before):
-            self._estimates = None  # a drift moved: re-derive every point now
-        else:
-            self._estimates[kind][key] = value  # small moves reach the drifts at the next review
-
-    def drifts(self) -> dict[str, dict[int, float]]:
-        """Per kind and batch size: online / calibrated time, the median over the calibrated points traffic
-        measured lately (trusted)."""
-        drifts: dict[str, dict[int, float]] = {"verify": {}, "draft": {}}
-        for kind, ratios in drifts.items():
-            by_batch: dict[int, list[float]] = {}
-            for key, calibrated in self.calibrated[kind].items():
-                if key in self.table[kind] and self._trusted((kind, *key)):
-                    by_batch.setdefault(key[0], []).append(self.table[kind][key] / calibrated)
-            ratios.update({batch: statistics.median(values) for batch, values in by_batch.items()})
-        return drifts
-
-    def _estimate_table(self, kind: str) -> dict[tuple[int, int], float]:
-        """Every point's estimate: its online median while trusted (or where it was never calibrated), else its
-        calibration time times the drift of its kind at its batch size, else at the nearest batch size with one
-        (the larger on a tie), else the other network's there; 1 before any."""
-        if self._estimates is None:
-            drifts, self._estimates = self.drifts(), {}
-            for of, other in (("verify", "draft"), ("draft", "verify")):
-                table, calibrated = self.table[of], self.calibrated[of]
-                estimates = self._estimates[of] = {}
-                for key in calibrated.keys() | table.keys():
-                    if key not in calibrated or (key in table and self._trusted((of, *key))):
-                        estimates[key] = table[key]
-                    else:
-                        near = drifts[of] or drifts[other]
-                        drift = near[min(near, key=lambda b: (abs(b - key[0]), -b))] if near else 1.0
-                        estimates[key] = calibrated[key] * drift
-        return self._estimates[kind]
-
-    def verify(self, batch: int, width: int) -> float:
-        return self._lookup("verify", batch, width)
-
-    def draft(self, batch: int, width: int) -> float:
-        return self._lookup("draft", batch, width) if batch else 0.0
-
-    @staticmethod
-    def draft_len_candidates(max_len: int) -> list[int]:
-        """Draft lengths the auto policy considers: 0, powers of two minus one, and the maximum."""
-        candidates = {0, max_len}
-        k = 1
-        while k < max_len:
-            candidates.add(k)
-            k = k * 2 + 1
-        return sorted(candidates)
-
-    def _lookup(self, kind: str, batch: int, width: int) -> float:
-        """Interpolated cost, bounded by the monotone envelope: a forward with fewer rows or fewer tokens per
-        row is never predicted slower than a larger calibration point (one noisy measurement cannot make plain
-        decoding look expensive and lock the policy into drafting)."""
-        if not self.table[kind] and not self.calibrated[kind]:
-            raise LookupError(f"no {kind} costs measured yet; calibrate first")
-        estimates = self._estimate_table(kind)
-        if (batch, width) in estimates:
-            estimate = estimates[(batch, width)]
-        else:
-            batches, widths = self._sorted_keys(kind)
-            estimate = _interpolate(batches, batch,
-                                    lambda b: _interpolate(widths[b], width, lambda w: estimates[(b, w)]))
-        larger = [estimates[key] for key in (self.calibrated[kind] or self.table[kind])
-                  if key[0] >= batch and key[1] >= width]
-        return min([estimate, *larger])
-
-    def _sorted_keys(self, kind: str) -> tuple[list[int], dict[int, list[int]]]:
-        """Measured batch sizes, and the widths measured at each, sorted (rebuilt only when a key is new)."""
-        layout = self._layout[kind]
-        if layout is None:
-            widths: dict[int, set[int]] = {}
-            for b, w in (*self.table[kind], *self.calibrated[kind]):
-                widths.setdefault(b, set()).add(w)
-            layout = self._layout[kind] = (sorted(widths), {b: sorted(ws) for b, ws in widths.items()})
-        return layout
-
 
 def _interpolate(points: list[int], x: int, value) -> float:
-    """Piecewise-linear through ``(p, value(p))``; linear extrapolation from the two nearest edge points."""
+    """Piecewise-linear through ``(p, value(p))``; linear extrapolation from the two nearest edge points (from
+    one point: proportional above it, constant below)."""
     if len(points) == 1:
         return value(points[0]) * (x / points[0] if x > points[0] else 1.0)
     index = min(max(bisect.bisect_left(points, x), 1), len(points) - 1)

@@ -8,8 +8,8 @@ requests), ``draft_len_schedule`` (batch size -> draft length, a step function) 
     rate(k) = Σ_r E_r(k) / (cost_draft(B_k, k+1) + cost_verify(B, k+1) + overhead_drafting)
     rate(0) = B / (cost_verify(B, 1) + overhead_plain)
 
-with α the request's rolling conditional per-position acceptance (prior: the session's), and costs
-measured on this machine, the scheduler's own per-step overhead included. It drafts only when
+with α the conditional per-position acceptance the planner estimates (runtime/planner.py: the session's), and
+costs measured on this machine, the scheduler's own per-step overhead included. It drafts only when
 ``rate(k) > (1 + MARGIN) · rate(0)``: the cost model never predicts a loss for the length it picks,
 and a predicted gain within measurement noise is not taken either.
 """
@@ -47,7 +47,7 @@ class AcceptanceTracker:
     """Rolling per-position acceptance of one request (or the whole session, as a prior).
 
     Counts are kept incrementally (a cycle entering the window adds, the one leaving subtracts), so a
-    query costs O(positions) on the scheduler's hot path, not O(window x positions).
+    query costs O(positions), not O(window x positions).
     """
 
     def __init__(self, window: int, positions: int) -> None:
@@ -56,7 +56,6 @@ class AcceptanceTracker:
         self.reached = [0] * positions  # cycles that drafted position j with every earlier one accepted
         self.passed = [0] * positions  # ... and accepted it
         self.drafted = self.accepted = 0
-        self._cached: dict[float, list[float]] = {}  # weight -> alphas with the default prior
 
     def observe(self, drafted: int, accepted: int) -> None:
         if not drafted:
@@ -65,7 +64,6 @@ class AcceptanceTracker:
         self.cycles.append((drafted, accepted))
         if len(self.cycles) > self.window:
             self._count(*self.cycles.popleft(), -1)
-        self._cached.clear()
 
     def _count(self, drafted: int, accepted: int, sign: int) -> None:
         self.drafted += sign * drafted
@@ -83,14 +81,10 @@ class AcceptanceTracker:
         pseudo-cycles. Without a prior, position j is smoothed toward the estimate of position j-1 (0.5 for
         the first): acceptance changes smoothly with depth, so positions never drafted yet are not assumed
         worse than the deepest one measured."""
-        if prior is None and weight in self._cached:
-            return self._cached[weight]
         alphas: list[float] = []
         for j in range(self.positions):
             toward = prior[j] if prior is not None else (alphas[-1] if alphas else 0.5)
             alphas.append((self.passed[j] + weight * toward) / (self.reached[j] + weight))
-        if prior is None:
-            self._cached[weight] = alphas
         return alphas
 
 

@@ -42,17 +42,44 @@ def session(zoo):
 
 
 @pytest.mark.parametrize("max_seq_len, context", [(None, CONTEXT), (40, 40 - 4 - 1)])
-def test_calibration_times_a_grid_of_forwards_over_a_served_context(session, max_seq_len, context):
+def test_calibration_times_the_corners_of_the_cost_shape_over_a_served_context(session, max_seq_len, context):
     backend = Recording(session.backend)
     costs = calibrate(backend, CostModel(), True, 4, max_seq_len or session.max_seq_len)
-    assert set(costs.calibrated["verify"]) == {(b, w) for b in (1, 2, 4) for w in (1, 2, 4)}
-    assert set(costs.calibrated["draft"]) == {(b, w) for b in (1, 2, 4) for w in (2, 4)}
+    assert set(costs.calibrated["verify"]) == {(b, w) for b in (1, 2, 4) for w in (1, 4)}
+    assert set(costs.calibrated["draft"]) == {(b, 4) for b in (1, 2, 4)}
     assert not costs.table["verify"] and not costs.table["draft"]  # nothing counts as measured in traffic
     prefill, *timed = backend.verified
     assert [(r.start, len(r.tokens)) for r in prefill] == [(0, context)] * 4
     assert {row.start for rows in timed for row in rows} == {context}
     _, *drafts = backend.drafted
     assert {(row.start, row.taps.shape[0]) for rows in drafts for row in rows} == {(context, TAPS)}
+
+
+class SlowClock:
+    """A clock where every forward takes a second."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.now = backend, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def target_batch(self, rows, with_taps):
+        self.now += 1.0
+        return self.backend.target_batch(rows, with_taps)
+
+    def draft_batch(self, rows):
+        self.now += 1.0
+        return self.backend.draft_batch(rows)
+
+
+def test_calibration_starts_no_point_past_its_budget_but_always_times_batch_one(session):
+    """A bf16 Qwen3-0.6B-shaped target on a CPU did not finish a full batch x width grid in 400 s."""
+    slow = SlowClock(session.backend)
+    costs = calibrate(slow, CostModel(), True, 4, session.max_seq_len, clock=lambda: slow.now, budget_s=20.0)
+    assert set(costs.calibrated["verify"]) >= {(1, 1), (1, 4)} and (1, 4) in costs.calibrated["draft"]
+    assert slow.now <= 20.0 + 4  # a point under way finishes: a warm-up and one timed call
+    assert len(costs.calibrated["verify"]) + len(costs.calibrated["draft"]) < 9  # the rest: learned in traffic
 
 
 def test_a_draft_call_taking_in_more_context_than_its_block_is_recorded_at_both():

@@ -1,5 +1,5 @@
-"""The measured cost model (runtime/costs.py): medians, interpolation, the monotone envelope over the
-calibration grid, per-batch-size step overheads, and how a step's cost is composed."""
+"""The measured cost model (runtime/costs.py): medians, interpolation over the calibrated shape anchored on plain
+steps measured now, the load, per-batch-size step overheads, and how a step's cost is composed."""
 
 from __future__ import annotations
 
@@ -39,12 +39,37 @@ def test_between_measured_points_the_cost_is_linear_in_batch_and_width():
     assert costs.draft(0, 16) == 0.0  # no drafting rows, no draft call
 
 
-def test_a_smaller_forward_is_never_predicted_slower_than_a_larger_calibration_point():
+def test_a_wide_verify_traffic_has_not_measured_costs_the_plain_step_now_plus_what_width_adds():
+    """Served contexts 18x longer than the calibration's make plain steps 18x dearer (the KV cache read), not the
+    15 more tokens of a wide verify: scaling the whole calibrated point by plain traffic priced a 64-row verify
+    at a 32k-token context 4x what it costs on the simulated H200, and the policy drafted 3 where 15 won."""
     costs = grid()
-    for _ in range(9):
-        costs.record("verify", 2, 1, 0.05)  # noisy online measurements at a small batch
-    assert costs.verify(2, 1) == pytest.approx(costs.verify(4, 1))
-    assert costs.verify(2, 1) < 0.05
+    plain = 18 * costs.calibrated["verify"][(16, 1)]
+    for _ in range(3):
+        costs.record("verify", 16, 1, plain)
+    extra = costs.calibrated["verify"][(16, 16)] - costs.calibrated["verify"][(16, 1)]
+    assert costs.verify(16, 16) == pytest.approx(plain + extra)
+    assert costs.draft(16, 16) == pytest.approx(costs.calibrated["draft"][(16, 16)])  # never scaled up
+
+
+def test_a_calibration_on_a_busy_machine_is_scaled_down_to_what_traffic_measures():
+    costs = grid()
+    for _ in range(3):
+        costs.record("verify", 16, 1, 0.5 * costs.calibrated["verify"][(16, 1)])
+    assert costs.verify(16, 16) == pytest.approx(0.5 * costs.calibrated["verify"][(16, 16)])
+    assert costs.draft(16, 4) == pytest.approx(0.5 * costs.calibrated["draft"][(16, 4)])
+
+
+def test_a_point_traffic_measured_at_a_nearby_batch_size_prices_this_one():
+    costs = grid()
+    for _ in range(3):
+        costs.record("verify", 16, 16, 3 * costs.calibrated["verify"][(16, 16)])
+        costs.record("draft", 16, 16, costs.calibrated["draft"][(16, 16)])
+        costs.record_overhead(True, 16, 1e-4)
+    assert costs.known(12, 12, 15) and not costs.known(4, 4, 15)  # within a factor of two
+    shape = costs.calibrated["verify"]
+    expected = 3 * shape[(16, 16)] * (shape[(4, 16)] + (shape[(16, 16)] - shape[(4, 16)]) * 8 / 12) / shape[(16, 16)]
+    assert costs.verify(12, 16) == pytest.approx(expected)
 
 
 def test_step_overheads_are_kept_per_batch_size():
@@ -98,25 +123,31 @@ def test_breakdown_since_a_mark_prices_only_the_forwards_measured_after_it():
     assert step.draft == costs.draft(4, 16)  # nothing measured since: the estimate
 
 
-def test_a_calibrated_point_traffic_has_not_measured_scales_with_the_drift_of_its_kind_and_batch():
-    costs = grid()
-    for _ in range(3):
-        costs.record("verify", 16, 1, 2 * costs.calibrated["verify"][(16, 1)])  # traffic: 2x the calibration
-        costs.record("draft", 4, 16, 3 * costs.calibrated["draft"][(4, 16)])
-    assert costs.verify(16, 16) == pytest.approx(2 * costs.calibrated["verify"][(16, 16)])
-    assert costs.draft(16, 4) == pytest.approx(3 * costs.calibrated["draft"][(16, 4)])  # nearest batch of its kind
-    assert costs.draft(1, 4) == pytest.approx(3 * costs.calibrated["draft"][(1, 4)])
-    assert costs.verify(4, 4) == pytest.approx(2 * costs.calibrated["verify"][(4, 4)])  # verify's drift at 16
-
-
-def test_a_point_needs_three_measurements_before_its_own_median_replaces_its_calibration():
+def test_a_point_costs_the_least_of_its_first_measurements_then_their_median():
     costs = grid()
     calibrated = costs.calibrated["verify"][(4, 4)]
     costs.record("verify", 4, 4, 10 * calibrated)  # one cold forward
-    assert costs.verify(4, 4) == pytest.approx(calibrated)
-    costs.record("verify", 4, 4, 3 * calibrated)
     costs.record("verify", 4, 4, 2 * calibrated)
+    assert costs.verify(4, 4) == pytest.approx(2 * calibrated)  # noise only ever adds time
+    costs.record("verify", 4, 4, 3 * calibrated)
     assert costs.verify(4, 4) == pytest.approx(3 * calibrated)  # the median of its own three
+
+
+def test_forwards_measured_during_a_burst_of_load_compare_with_plain_steps_at_the_load_of_now():
+    """Drafting measured while the machine ran 3x slower, plain decoding measured since it recovered: drafting
+    is priced at today's load, not the burst's (else plain decoding wins until the burst's samples expire)."""
+    costs = grid()
+    plain, wide = costs.calibrated["verify"][(1, 1)], costs.calibrated["verify"][(1, 16)]
+    for _ in range(32):
+        costs.record("verify", 1, 1, plain)
+    for _ in range(3):
+        costs.record("verify", 1, 1, 3 * plain)  # the burst begins
+    for _ in range(3):
+        costs.record("verify", 1, 16, 3 * wide)  # drafting, in the burst
+    assert costs.verify(1, 16) == pytest.approx(3 * wide)
+    for _ in range(3):
+        costs.record("verify", 1, 1, plain)  # the burst is over
+    assert costs.verify(1, 16) == pytest.approx(wide)
 
 
 def test_a_point_never_calibrated_costs_the_least_of_its_first_measurements():
