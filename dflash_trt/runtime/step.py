@@ -280,6 +280,8 @@ def _verify_tokens(states: list[RequestState], counts: list[int], groups: dict[t
     """``[R, K+1]`` verify tokens on the device, one row per state: its anchor, then its proposals (padding -1,
     never sent)."""
     device = states[0].generator.device
+    if not any(counts):  # plain decoding steps: the anchors are the whole rows
+        return to_device([s.anchor for s in states], device).unsqueeze(1)
     anchors = to_device([s.anchor for s in states] + [-1], device)  # the -1 is the padding's source
     index = _token_index(tuple(counts), tuple(tuple(group.rows) for group in groups.values()), device)
     return torch.cat([anchors, *(group.proposals for group in groups.values())])[index]
@@ -307,12 +309,15 @@ def _layout(counts: tuple[int, ...], device: torch.device) -> RowLayout:
     return RowLayout.of(counts, device)
 
 
-def _accept(group: _Group, results: dict[int, tuple[Tensor, Tensor | None]]) -> tuple[Verdicts, Tensor]:
-    """The group's verdicts and, per row, whether its distributions were finite (``[R]`` bool)."""
-    logits = torch.cat([results[i][0] for i in group.rows])  # [N + R, V]
+def _accept(group: _Group, results: dict[int, tuple[Tensor, Tensor | None]]) -> tuple[Verdicts, Tensor | None]:
+    """The group's verdicts and, per row, whether its distributions were finite (``[R]`` bool; None for greedy
+    rows, which never sample). A greedy group that drafted nothing commits its argmax: no acceptance to compute."""
+    logits = torch.cat([results[i][0] for i in group.rows]) if len(group.rows) > 1 else results[group.rows[0]][0]
+    if group.rule == "greedy" and not any(group.counts):  # plain decoding steps
+        return Verdicts(None, argmax_rows(logits).unsqueeze(1)), None
     layout = _layout(tuple(group.counts), logits.device)
     if group.rule == "greedy":
-        return accept_matching(group.proposals, argmax_rows(logits), layout), layout.counts_t >= 0
+        return accept_matching(group.proposals, argmax_rows(logits), layout), None
     target_probs = sampling_probs(logits, *group.key[1:])
     finite = has_mass(target_probs)[layout.target_slots].all(1)
     if group.rule == "onehot":
@@ -324,19 +329,28 @@ def _accept(group: _Group, results: dict[int, tuple[Tensor, Tensor | None]]) -> 
     return verdicts, finite & q_finite
 
 
-def _transfer(verdicts: list[tuple[_Group, Verdicts, Tensor]]) -> list[tuple[list[int], list[int], list[list[int]]]]:
-    """Every group's accepted counts, finiteness and tokens, in ONE device-to-host copy."""
+def _transfer(verdicts: list[tuple[_Group, Verdicts, Tensor | None]]
+              ) -> list[tuple[list[int], list[int], list[list[int]]]]:
+    """Every group's accepted counts, finiteness and tokens, in ONE device-to-host copy (a count the host knows,
+    0 for a group that drafted nothing, and the finiteness of greedy rows are not sent)."""
     if not verdicts:
         return []
-    parts = [torch.cat([v.accepted, finite.long(), v.tokens.flatten()]) for _, v, finite in verdicts]
-    values = torch.cat(parts).tolist()  # host-sync: the step's one read-back (accepted counts and tokens)
+    parts = []
+    for _, v, finite in verdicts:
+        parts += [v.accepted] if v.accepted is not None else []
+        parts += [finite.long()] if finite is not None else []
+        parts.append(v.tokens.flatten())
+    values = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # host-sync: the step's one read-back
     host, at = [], 0
-    for _, v, _ in verdicts:
+    for _, v, finite in verdicts:
         rows, width = v.tokens.shape
-        accepted, finite = values[at:at + rows], values[at + rows:at + 2 * rows]
-        flat = values[at + 2 * rows:at + 2 * rows + rows * width]
-        host.append((accepted, finite, [flat[n * width:(n + 1) * width] for n in range(rows)]))
-        at += 2 * rows + rows * width
+        accepted, finite_rows = [0] * rows, [1] * rows
+        if v.accepted is not None:
+            accepted, at = values[at:at + rows], at + rows
+        if finite is not None:
+            finite_rows, at = values[at:at + rows], at + rows
+        flat, at = values[at:at + rows * width], at + rows * width
+        host.append((accepted, finite_rows, [flat[n * width:(n + 1) * width] for n in range(rows)]))
     return host
 
 

@@ -31,10 +31,10 @@ from dflash_trt.runtime.sampling import draw
 
 @dataclass(frozen=True)
 class Verdicts:
-    """``accepted [R]`` int64 drafts kept per row; ``tokens [R, K + 1]`` int64, row ``r`` committing
-    ``tokens[r, :accepted[r] + 1]`` (later columns are padding)."""
+    """``accepted [R]`` int64 drafts kept per row (None: no row drafted, so none accepted); ``tokens [R, K + 1]``
+    int64, row ``r`` committing ``tokens[r, :accepted[r] + 1]`` (later columns are padding)."""
 
-    accepted: Tensor
+    accepted: Tensor | None
     tokens: Tensor
 
 
