@@ -233,10 +233,9 @@ Examples:
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Requests decoded together.")
 @click.option("--max-seq-len", type=int, default=None, help=MAX_SEQ_LEN_HELP)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
-              help="With --target: weights, compute and KV cache dtype (default float32; auto: the checkpoint's; "
-              "bfloat16 halves the memory of both and stays lossless, docs/algorithm.md §3.7, but the start-up "
-              "calibration of --speculation auto takes minutes in bfloat16 on a CPU, docs/serving-notes.md §13). "
-              "An engine runs in the dtype it was built in.")
+              help="With --target: weights, compute and KV cache dtype (default auto: the checkpoint's; bfloat16 "
+              "halves the memory of both and stays lossless, docs/algorithm.md §3.7). An engine runs in the dtype "
+              "it was built in.")
 @click.option("--max-queue", type=int, default=64, show_default=True, help="Waiting requests beyond --max-batch; "
               "more get 429 with Retry-After.")
 @click.option("--speculation", type=click.Choice(["auto", "static", "off"]), default="auto", show_default=True,

@@ -50,8 +50,8 @@ def _numbers(text: str, kind, flag: str) -> tuple:
                    "what the benchmark's requests need, the longest prompt run plus --max-new-tokens (at most the "
                    "model's positions), so the caches hold no context that no request uses.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
-              help="With --target (default float32): weights, compute and KV cache dtype of our runtime and of the "
-              "transformers peer, which runs on the same tensors (auto: the checkpoint's).")
+              help="With --target: weights, compute and KV cache dtype of our runtime and of the transformers peer, "
+              "which runs on the same tensors (default auto: the checkpoint's).")
 @click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")
 @click.option("--no-peers", is_flag=True, help="Skip transformers generate() and the dflash reference.")
 @click.option("--no-adaptive", is_flag=True, help="Skip DFlash with the `auto` (cost-model) speculation policy.")
@@ -138,7 +138,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
 def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None, dtype: str, prompt_sets, config):
     """The benchmarked session, its context ``max_seq_len`` or what the requests need (``context_needed``)."""
     from dflash_trt.bench.harness import context_needed
-    from dflash_trt.formats.load import load_pair
+    from dflash_trt.formats.load import SESSION_DTYPE, load_pair
     from dflash_trt.runtime.session import Session
 
     if engine is not None:
@@ -148,7 +148,7 @@ def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None
         pair, backend, limit = loaded.pair, loaded.backend, loaded.max_seq_len
     else:
         loaded, backend = None, "torch"
-        pair = load_pair(target, draft, dtype=dtype or "float32")
+        pair = load_pair(target, draft, dtype=dtype or SESSION_DTYPE)
         limit = pair.target.config.max_position_embeddings
         if pair.draft is not None:
             limit = min(limit, pair.draft.config.max_position_embeddings)

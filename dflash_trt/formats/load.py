@@ -26,6 +26,9 @@ from dflash_trt.tokenizer import Tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 """What ``--dtype`` accepts: ``auto`` is the checkpoint's own dtype (:func:`checkpoint_dtype`)."""
+SESSION_DTYPE = "auto"
+"""The dtype ``run``, ``serve`` and ``bench`` load checkpoints in without ``--dtype``: the checkpoint's own (a bf16
+target runs in frames and stays lossless, docs/algorithm.md §3.7, at half the weights and KV cache)."""
 
 
 def embedded_target_path() -> Path:

@@ -28,6 +28,9 @@ _REPEATS = 3
 BUDGET_S = 10.0
 """Seconds after which calibration starts no new point (a point under way finishes)."""
 
+ALWAYS = 3
+"""Points timed whatever the budget: verify of 1 token and of the block, and draft of the block, at batch 1."""
+
 CONTEXT = 64
 """Scratch positions every calibration row attends over (fewer where the cache is shorter)."""
 
@@ -73,7 +76,7 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
               clock: Callable[[], float] = time.perf_counter, budget_s: float = BUDGET_S) -> CostModel:
     """Fill ``costs`` with the median time of a few verify and draft forwards (``_points``) at a context of
     ``CONTEXT`` scratch positions (bounded so the widest block still fits ``max_seq_len``), starting no new point
-    after ``budget_s`` seconds (batch 1's are always timed)."""
+    after ``budget_s`` seconds (the first ``ALWAYS`` are always timed)."""
     deadline = clock() + budget_s
     config = backend.draft_config
     taps_width = len(config.target_layer_ids) * config.hidden_size if has_drafter else 0
@@ -82,22 +85,28 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
     taps = min(TAPS, context)
     device = getattr(backend, "device", torch.device("cpu"))
     dtype = getattr(backend, "dtype", torch.float32)  # taps come in the runtime dtype, as the target returns them
-    slots = range(backend.max_batch)
-    if context:
-        backend.target_batch([TargetRow(slot, [0] * context, 0, last_only=True) for slot in slots], has_drafter)
+    slots: list[int] = []  # slots holding the scratch context
     # a DFlash2 drafter drafts through propose_batch (an engine's DFlash2 graph returns proposals, not logits)
     draft_call = backend.propose_batch if getattr(config, "architecture", None) == "dflash2" else backend.draft_batch
-    if has_drafter and context:  # the draft caches take in the same scratch context
-        draft_call([DraftRow(slot, [0, 0], torch.zeros(context, taps_width, dtype=dtype, device=device), context)
-                    for slot in slots])
+
+    def fill(batch: int) -> None:
+        """Give slots ``len(slots)..batch-1`` the scratch context (a whole batch's only when its points are timed)."""
+        new = list(range(len(slots), batch))
+        if context and new:
+            backend.target_batch([TargetRow(slot, [0] * context, 0, last_only=True) for slot in new], has_drafter)
+            if has_drafter:  # the draft caches take in the same scratch context
+                draft_call([DraftRow(slot, [0, 0], torch.zeros(context, taps_width, dtype=dtype, device=device),
+                                     context) for slot in new])
+        slots.extend(new)
 
     def restore() -> None:
         for slot in slots:
             backend.crop_target_slot(slot, context)
 
     for index, (kind, batch, width) in enumerate(_points(backend.max_batch, block_len, has_drafter)):
-        if batch > 1 and clock() >= deadline:  # batch 1 is always timed: its points are the cheapest
+        if index >= ALWAYS and clock() >= deadline:
             break
+        fill(batch)
         if kind == "verify":
             run = partial(backend.target_batch, [TargetRow(slot, [0] * width, context) for slot in range(batch)],
                           has_drafter)

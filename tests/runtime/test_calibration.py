@@ -48,11 +48,11 @@ def test_calibration_times_the_corners_of_the_cost_shape_over_a_served_context(s
     assert set(costs.calibrated["verify"]) == {(b, w) for b in (1, 2, 4) for w in (1, 4)}
     assert set(costs.calibrated["draft"]) == {(b, 4) for b in (1, 2, 4)}
     assert not costs.table["verify"] and not costs.table["draft"]  # nothing counts as measured in traffic
-    prefill, *timed = backend.verified
-    assert [(r.start, len(r.tokens)) for r in prefill] == [(0, context)] * 4
-    assert {row.start for rows in timed for row in rows} == {context}
-    _, *drafts = backend.drafted
-    assert {(row.start, row.taps.shape[0]) for rows in drafts for row in rows} == {(context, TAPS)}
+    prefill = [row for rows in backend.verified for row in rows if row.last_only]  # each slot once, when first used
+    assert sorted((r.slot, r.start, len(r.tokens)) for r in prefill) == [(slot, 0, context) for slot in range(4)]
+    assert {row.start for rows in backend.verified for row in rows if not row.last_only} == {context}
+    drafts = [row for rows in backend.drafted for row in rows if len(row.block) > 2]  # not a scratch context's
+    assert {(row.start, row.taps.shape[0]) for row in drafts} == {(context, TAPS)}
 
 
 class SlowClock:
@@ -79,6 +79,9 @@ def test_calibration_starts_no_point_past_its_budget_but_always_times_batch_one(
     costs = calibrate(slow, CostModel(), True, 4, session.max_seq_len, clock=lambda: slow.now, budget_s=20.0)
     assert set(costs.calibrated["verify"]) >= {(1, 1), (1, 4)} and (1, 4) in costs.calibrated["draft"]
     assert slow.now <= 20.0 + 4  # a point under way finishes: a warm-up and one timed call
+    fast = calibrate(SlowClock(session.backend), CostModel(), True, 4, session.max_seq_len, clock=lambda: 1e9,
+                     budget_s=0.0)  # out of time from the start: the batch-1 block points only
+    assert set(fast.calibrated["verify"]) == {(1, 1), (1, 4)} and set(fast.calibrated["draft"]) == {(1, 4)}
     assert len(costs.calibrated["verify"]) + len(costs.calibrated["draft"]) < 9  # the rest: learned in traffic
 
 

@@ -32,7 +32,7 @@ class ServeConfig(BaseModel):
     max_seq_len: PositiveInt | None = Field(default=None, description="Longest prompt + output; sizes each slot's KV "
                                             "cache (None = min(the model's positions, 4096)).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
-        default=None, description="Weights, compute and KV cache dtype of checkpoints (None: float32; auto: the "
+        default=None, description="Weights, compute and KV cache dtype of checkpoints (None or auto: the "
         "checkpoint's). Not with `engine`, which runs in the dtype it was built in.")
     max_queue: int = Field(default=64, ge=0, description="Requests waiting beyond max_batch before 429s.")
     speculation: Literal["auto", "static", "off"] = Field(
@@ -61,6 +61,7 @@ class ServeConfig(BaseModel):
 def build_app(config: ServeConfig, announce=None):
     """Load the session and the chat template, and return the application (what ``serve`` runs);
     ``announce(line)`` gets the session's KV cache line as soon as it is allocated."""
+    from dflash_trt.formats.load import SESSION_DTYPE
     from dflash_trt.runtime.policy import SpeculationConfig
     from dflash_trt.runtime.session import Session
     from dflash_trt.serving.openai.app import ServedModel, create_app
@@ -73,7 +74,7 @@ def build_app(config: ServeConfig, announce=None):
         folders = [config.engine, config.engine / "tokenizer"]
     else:
         session = Session.from_checkpoints(config.target, config.draft, max_batch=config.max_batch,
-                                           max_seq_len=config.max_seq_len, dtype=config.dtype or "float32",
+                                           max_seq_len=config.max_seq_len, dtype=config.dtype or SESSION_DTYPE,
                                            speculation=policy, announce=announce)
         target = session.pair.target_path
         folders = [target] if target.is_dir() else [target.parent]
