@@ -82,8 +82,9 @@ KNOWN_FAILURES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, wor
     **{(regime, concurrency, "stories_t0"): SHORT_COLD for regime in ("h200-1k", "h200-32k", "compute-bound")
        for concurrency in (4, 16)},
     ("h200-1k", 64, "stories_t0"): SHORT_COLD,
-    ("cpu-0.6b", 16, "stories_t0"): SHORT_COLD.replace("on a GPU one ends in ~8 cycles", "32 steps at c=16")
-                                    + " (plain decoding is the best fixed choice: the probes cost 6% of the run)",
+    ("cpu", 4, "stories_t0"): ("plain decoding is the best fixed choice by a hair (static k=3: 0.95x) and auto "
+                               "drafts k=3 or 7 for part of the run: 0.92-0.94x plain depending on the noise draws; "
+                               "the docs table's cell is at 0.94x the best static"),
     **{(regime, concurrency, "untrained"): SHORT_COLD.replace("this cell passes", "this cell passes (0.93-0.99x)")
        for regime, concurrency in (("h200-1k", 16), ("h200-32k", 16), ("compute-bound", 16), ("h200-1k", 64),
                                    ("h200-32k", 64))},
