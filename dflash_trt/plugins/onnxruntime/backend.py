@@ -9,7 +9,8 @@ describes the graphs' I/O and the engine's manifest declares which ones it holds
   reads and extends the cache in place (:class:`_InPlaceTarget`).
 * The drafter (``draft.onnx``: every drafting row in one call), and the target graph of a TensorRT engine run here
   (``target.onnx``), return the K/V rows they add; ``plugins/graph_rows.py`` binds, packs and writes back for them
-  exactly as for the TensorRT backend.
+  exactly as for the TensorRT backend. A draft call of one row runs ``draft_step.onnx`` in place instead when the
+  engine holds it (:class:`_InPlaceDrafter`: a drafter with full-attention layers only).
 
 Cropping is bookkeeping, as in ``model/kv_cache.py``; the scheduler keeps active requests in slot order so a
 batch is usually one run. The loop, verification and stats are the shared ones in ``runtime/``.
