@@ -131,9 +131,9 @@ def test_an_onnxruntime_engine_session_plans_exactly_what_its_slot_caches_alloca
 
     folder = built_engine(tmp_path_factory.getbasetemp(), "ort-standard", backend="onnxruntime")
     session = Session.load(folder, "onnxruntime", max_batch=2, max_seq_len=64)
-    networks = [session.backend._target, session.backend._draft]
-    allocated = [sum(array.nbytes for name, array in vars(net).items()
-                     if name in ("keys", "values", "gather_keys", "gather_values")) for net in networks]
+    caches = [session.backend.target_cache, session.backend.draft_cache]
+    allocated = [sum(getattr(cache, name).nbytes for name in ("keys", "values", "gather_keys", "gather_values",
+                                                              "prefix_keys", "prefix_values")) for cache in caches]
     assert [session.kv_cache.target_bytes, session.kv_cache.draft_bytes] == allocated
     config = session.pair.target.config  # the in-place target graph owns K and V only, S rows per slot
     assert session.kv_cache.target_bytes == 2 * 2 * 64 * config.num_layers * config.num_kv_heads * config.head_dim * 4
