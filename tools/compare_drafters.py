@@ -4,11 +4,13 @@
     .venv/bin/python tools/compare_drafters.py --draft dflash=DIR1 --draft dflash2=DIR2 --temperature 1 --seeds 2 \
         --max-new-tokens 128
 
-Runs ``training/walk_eval.py``'s loop (the same loop for every drafter; DFlash2 proposes with its candidate
-selector), interleaved prompt by prompt, and prints one JSON object per drafter: τ per cycle and per
-prompt, per-position acceptance, draft milliseconds per call, and at T = 0 the speed-up over plain
-decoding of the same prompts (the outputs are checked equal). Default target: the embedded stories260K;
-default prompts: the 21 held-out TinyStories first sentences. One torch thread.
+Runs every drafter through ``training/evaluation.py`` (the serving runtime's ``Session``, as ``dflash-trt eval``;
+a DFlash2 drafter proposes with its candidate selector), interleaved prompt by prompt with plain decoding of
+the same prompts so a busy machine slows all of them alike, and prints one JSON object per drafter: τ per
+cycle and per prompt, per-position acceptance, the mean draft and verify forward at the full block (the
+session's cost model, measured in this traffic), and at T = 0 the speed-up over plain decoding (wall seconds
+of the generations; the outputs are checked equal). Default target: the embedded stories260K; default
+prompts: the 21 held-out TinyStories first sentences. One torch thread.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from dflash_trt.formats.draft_checkpoint import load_draft_checkpoint
 from dflash_trt.formats.load import load_pair
 from dflash_trt.training.prompts import heldout_prompts_path, read_prompts
-from dflash_trt.training.walk_eval import compare_drafters
+from dflash_trt.training.evaluation import compare_drafters
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from dflash_trt.training.command import train_command
 from dflash_trt.training.config import DataConfig, TrainConfig
 from dflash_trt.training.draft_config import draft_config_for
 from dflash_trt.training.run import initial_head
-from dflash_trt.training.walk_eval import speculative_decode
+from dflash_trt.training.evaluation import Evaluation
 
 dflash_model = pytest.importorskip("dflash.model", reason="the reference implementation dflash 0.1.0 is not installed")
 
@@ -79,10 +79,11 @@ def test_init_draft_from_a_dflash_drafter_starts_exactly_as_that_drafter(runs):
                                     architecture="dflash2")
     start = initial_head(config, draft_config, target).eval()
     dflash = load_draft_checkpoint(dflash_dir).eval()
-    for prompt in ([1, 5, 9, 13], [1, 40, 2, 77, 3]):
-        out1, stats1 = speculative_decode(target, dflash, prompt, 20)
-        out2, stats2 = speculative_decode(target, start, prompt, 20)
-        assert out1 == out2 and stats1.acceptance_lengths == stats2.acceptance_lengths
+    prompts = ([1, 5, 9, 13], [1, 40, 2, 77, 3])
+    evaluations = [Evaluation(target, head, prompts, max_new_tokens=20) for head in (dflash, start)]
+    for index, prompt in enumerate(prompts):
+        [first], [second] = (evaluation.run_prompt(index, prompt) for evaluation in evaluations)
+        assert first.token_ids == second.token_ids and first.acceptance_lengths == second.acceptance_lengths
     wrong = config.model_copy(update={"layers": 3})
     with pytest.raises(TrainingError, match="num_layers"):
         initial_head(wrong, draft_config_for(target.config, num_layers=3, block_len=4, mask_token_id=255,

@@ -19,7 +19,7 @@ from dflash_trt.training.selector_loss import (previous_tokens, selector_predict
                                                weighted_candidate_loss)
 from dflash_trt.training.dflash2_init import dflash2_from_dflash
 from dflash_trt.training.trainer import Distiller, DistillSettings, new_draft_head
-from dflash_trt.training.walk_eval import speculative_decode
+from dflash_trt.training.evaluation import Evaluation
 
 SMALL = {"selector_rank": 8, "selector_top_k": 4}  # the released 256 / 16 work the same, only slower
 
@@ -69,11 +69,12 @@ def test_a_dflash2_drafter_extended_from_a_dflash_one_drafts_exactly_like_it(tar
         assert torch.equal(walk.tokens, dflash.logits(flat, target.lm_head.weight).argmax(-1))
     # the serving loop: the same outputs and per-cycle acceptance lengths on every prompt
     accepted_any = False
-    for seq in sequences[:4]:
-        out1, stats1 = speculative_decode(target, dflash, seq[:6], 24)
-        out2, stats2 = speculative_decode(target, dflash2, seq[:6], 24)
-        assert out1 == out2 and stats1.acceptance_lengths == stats2.acceptance_lengths
-        accepted_any |= max(stats1.acceptance_lengths) > 1
+    prompts = [seq[:6] for seq in sequences[:4]]
+    runs = [Evaluation(target, head, prompts, max_new_tokens=24) for head in (dflash, dflash2)]
+    for index, prompt in enumerate(prompts):
+        [first], [second] = (run.run_prompt(index, prompt) for run in runs)
+        assert first.token_ids == second.token_ids and first.acceptance_lengths == second.acceptance_lengths
+        accepted_any |= max(first.acceptance_lengths) > 1
     assert accepted_any  # the comparison is not between two drafters that never get a draft accepted
 
 
