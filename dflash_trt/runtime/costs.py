@@ -17,9 +17,12 @@ Two sources, read in this order:
    measured (a multiplicative "drift" from plain steps priced a 64-row 16-token verify at a 32k-token context
    4x what it costs, on the simulated H200 in docs/adaptive.md).
 
-Plain verifies run most often, so they also tell how loaded the machine is now (:attr:`CostModel.load`); every
-other forward is kept over the load it ran at and priced at the load of now, so that drafting measured during a
-burst of load and plain decoding measured after it compare as they would at the same time.
+Verifies run every step, so they also tell how loaded the machine is now (:attr:`CostModel.load`), whether the
+batch drafts or not; every forward is priced at the load of now (a plain verify from its last few measurements and
+the load they ran at, any other forward from its measurements over the load each ran at), so that drafting measured
+during a burst of load and plain decoding measured after it compare as they would at the same time. A plain price
+that stayed at a burst's level while the batch drafted (nothing measured plain decoding, so nothing moved it) made
+drafting look like a gain where it lost: 0.84-0.94x plain decoding in three CPU cells of docs/adaptive.md.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ _TRUSTED = 3
 """Measurements a point needs within ``_STALE_STEPS`` before its own median is its cost (a first measurement
 is often a cold one: a session's first drafting step took 9 ms outside its forwards, later ones 0.7 ms)."""
 _LOAD_HISTORY = 64
-"""Plain verifies the usual time of one is the median of, for :attr:`CostModel.load`."""
+"""Verifies of one point its usual time is taken over, for :attr:`CostModel.load`."""
 _STALE_STEPS = 256
 """Scheduler steps after which a point's measurements expire (it was not measured since)."""
 
@@ -88,10 +91,11 @@ class CostModel:
         self._steps = 0  # scheduler steps measured (one overhead each)
         self.last_draft: tuple[int, int, float] | None = None  # (batch, width, seconds) of the last draft call
         self._samples: dict[tuple, deque[float]] = {}  # point -> its last ``_WINDOW`` measurements (see _measured)
-        self._plain_history: dict[int, deque[float]] = {}  # batch -> its last plain verifies, for the load
-        # how much slower than usual plain steps run now: the median of the last few plain verifies over the median of
-        # the last ``_LOAD_HISTORY`` at the batch size plain decoding last ran at (1 until there are enough); a burst
-        # of load on a shared machine shows in a few steps
+        self._load_history: dict[tuple[int, int], deque[float]] = {}  # (batch, width) -> its last verifies
+        self._plain_load: dict[int, float] = {}  # batch -> the load when its last plain verify ran
+        # how much slower than usual the machine runs now: the median of the last few verifies of the point measured
+        # last over its usual time (:func:`_usual` of its last ``_LOAD_HISTORY``; 1 until there are enough); a burst
+        # of load on a shared machine shows in a few steps, and ends in a few, whether the batch drafts or not
         self.load = 1.0
         self._last: dict[tuple, int] = {}  # point -> the step of its last measurement
         self._history: dict[tuple, deque[float]] = {}  # longer record per point, for reports only
@@ -126,11 +130,15 @@ class CostModel:
         if not self._fresh(point):
             samples.clear()  # expired: its old measurements do not come back with it
         plain = point[0] == "verify" and point[2] == 1
-        if plain:
-            history = self._plain_history.setdefault(point[1], deque(maxlen=_LOAD_HISTORY))
+        if point[0] == "verify":  # every verify tells the load: a batch that drafts every step runs no plain one
+            history = self._load_history.setdefault(point[1:], deque(maxlen=_LOAD_HISTORY))
             history.append(seconds)
-            self.load = (statistics.median(list(history)[-_TRUSTED:]) / statistics.median(history)
-                         if len(history) >= 2 * _TRUSTED else 1.0)
+            if len(history) >= 2 * _TRUSTED:
+                self.load = statistics.median(list(history)[-_TRUSTED:]) / _usual(history)
+            elif plain:
+                self.load = 1.0
+            if plain:
+                self._plain_load[point[1]] = self.load
         samples.append(seconds if plain or point[0] == "overhead" else seconds / self.load)
         self._last[point] = self._steps
         self._history.setdefault(point, deque(maxlen=_HISTORY)).append(seconds)
@@ -146,8 +154,11 @@ class CostModel:
         samples = self._samples.get(point)
         if not samples or not self._fresh(point):
             return None
+        if point[0] == "verify" and point[2] == 1:  # as recent as the load: after a burst both come down together
+            recent = statistics.median(list(samples)[-_TRUSTED:]) if len(samples) >= _TRUSTED else min(samples)
+            return recent * self.load / self._plain_load.get(point[1], self.load)  # at the load of now
         typical = statistics.median(samples) if len(samples) >= _TRUSTED else min(samples)
-        return typical if point[0] == "overhead" or point[2] == 1 and point[0] == "verify" else typical * self.load
+        return typical if point[0] == "overhead" else typical * self.load
 
     # ---- lookups ----
     def verify(self, batch: int, width: int) -> float:
@@ -283,6 +294,12 @@ class CostModel:
                          part(("verify", batch, width), lambda: self.verify(batch, width)),
                          part(("draft", batch, width), lambda: self.draft(batch, width)),
                          part(("overhead", True, batch), lambda: self.overhead(True, batch)))
+
+
+def _usual(history) -> float:
+    """A point's time on an unloaded machine: the lower quartile of its recent measurements (load only ever adds
+    time, and a point measured mostly in a burst of load still has some unloaded measurements)."""
+    return statistics.quantiles(history, n=4)[0]
 
 
 def _interpolate(points: list[int], x: int, value) -> float:
