@@ -19,6 +19,7 @@ import bisect
 import heapq
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -184,7 +185,18 @@ class Scheduler:
                 report = replace(report, seconds=self.clock() - began)
             self._step_entries = entries
             for subscriber in subscribers:
-                subscriber(report)
+                self._notify(subscriber, report)
+
+    def _notify(self, subscriber: Subscriber, report: StepReport) -> None:
+        """One subscriber's call. A subscriber that raises is dropped with a warning: measurement never stops the
+        worker, and the outputs do not depend on it (an ``auto`` session then plans from what it had learnt)."""
+        try:
+            subscriber(report)
+        except Exception as error:  # noqa: BLE001 - the requests and the worker go on
+            self.subscribers = [s for s in self.subscribers if s != subscriber]
+            warnings.warn(f"step subscriber {getattr(subscriber, '__qualname__', subscriber)!r} raised "
+                          f"{type(error).__name__}: {error}; it is unsubscribed and serving goes on", RuntimeWarning,
+                          stacklevel=1)
 
     # ----------------------------------------------------------------- subscribers
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 from tiny_models import DraftSpec, TargetSpec
@@ -140,3 +141,30 @@ def test_auto_policy_explores_then_drops_an_always_rejected_drafter_losslessly(z
     for result in results:
         used = result.stats.draft_lens_used
         assert used.get(0, 0) > sum(n for k, n in used.items() if k)  # then mostly plain decoding
+
+
+def test_a_subscriber_that_raises_is_dropped_and_every_request_still_finishes_unchanged(zoo):
+    """Measurement sits beside the step: a failing subscriber is unsubscribed with a warning; the worker and the
+    requests of that step and later ones go on, with the outputs they would have had."""
+    target, draft = zoo.target(TARGET), zoo.drafter(TARGET, DRAFT)
+    reference = Session.from_checkpoints(target, draft, max_batch=4)
+    session = Session.from_checkpoints(target, draft, max_batch=4)
+    calls = []
+
+    def broken(report):
+        calls.append(report)
+        raise ValueError("a broken metrics sink")
+
+    session._scheduler.subscribe(broken, timed=True)
+    params = SamplingParams(max_new_tokens=24, stop_token_ids=())
+    results = []
+    with pytest.warns(RuntimeWarning, match="a broken metrics sink"):
+        handles = [session.submit([3, i, 7], params) for i in range(4)]
+        waiter = threading.Thread(target=lambda: results.extend(h.result() for h in handles), daemon=True)
+        waiter.start()
+        waiter.join(timeout=120)
+    assert not waiter.is_alive(), "the requests never finished: the worker died with its subscriber"
+    assert len(calls) == 1 and broken not in session._scheduler.subscribers
+    assert [r.token_ids for r in results] == [reference.generate([3, i, 7], params).token_ids for i in range(4)]
+    assert all(len(r.token_ids) == 24 for r in results)
+    assert session.generate([5, 6], params).token_ids == reference.generate([5, 6], params).token_ids
