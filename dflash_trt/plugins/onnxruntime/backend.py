@@ -18,6 +18,7 @@ batch is usually one run. The loop, verification and stats are the shared ones i
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,10 +46,27 @@ synchronisation (measured on stories260K: 0.19 ms per decode step with 1 thread,
 on a loaded 2-core machine), so such models run single-threaded unless DFLASH_ORT_THREADS says otherwise."""
 
 
+@contextlib.contextmanager
+def denormals_flushed():
+    """Subnormal floats as zero (x86 FTZ/DAZ) on the calling thread for the duration of one ONNX Runtime call.
+
+    Masked attention scores make ONNX Runtime's softmax produce subnormal intermediates (``exp`` of a score far
+    below the row's maximum), and each one costs a microcode assist: at 16 rows a drafter's attention took 3x, its
+    softmax 9x, the time it takes with them flushed (docs/benchmarks.md, "Subnormal floats"). A flushed value is below
+    1.2e-38, so no output a decision reads changes. The thread's mode is off again afterwards (Python's default);
+    ``session.set_denormal_as_zero`` does the same for ONNX Runtime's own pool threads."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def _session_options(quant_mode: str, small_model: bool = False):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    options.add_session_config_entry("session.set_denormal_as_zero", "1")
     # FP8 Q/DQ graphs are miscompiled by ORT's extended optimisations (docs/environment.md §5)
     options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if quant_mode != "none"
                                         else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
@@ -69,13 +87,13 @@ def open_session(path: Path, quant_mode: str = "none", small_model: bool = False
 
     options = _session_options(quant_mode, small_model)
     model = onnx.load(str(path), load_external_data=False)
-    if not plugin_nodes(model):
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    from dflash_trt.plugins.onnxruntime.ops import register
+    if plugin_nodes(model):
+        from dflash_trt.plugins.onnxruntime.ops import register
 
-    options.register_custom_ops_library(register())
-    model = onnx.load(str(path))
-    return ort.InferenceSession(to_ort_domain(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+        options.register_custom_ops_library(register())
+    source = to_ort_domain(onnx.load(str(path))).SerializeToString() if plugin_nodes(model) else str(path)
+    with denormals_flushed():  # creating a session with set_denormal_as_zero sets the calling thread's mode too
+        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
 class OrtGraph:
@@ -92,7 +110,8 @@ class OrtGraph:
 
     def run(self, inputs: dict[str, np.ndarray | Tensor]) -> dict[str, np.ndarray]:
         feeds = {name: value.numpy() if isinstance(value, Tensor) else value for name, value in inputs.items()}
-        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+        with denormals_flushed():
+            return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
 
 
 class OrtBackend(SlotCaches):
@@ -264,7 +283,8 @@ class _InPlaceTarget(_InPlaceGraph):
         inputs["seqlens_k"][at] = starts + widths - 1
         inputs["query_seqlens"][at] = widths
         inputs["total_length"][...] = (starts + widths).max()
-        self.session.run_with_iobinding(bound.io)
+        with denormals_flushed():
+            self.session.run_with_iobinding(bound.io)
         logits, taps = bound.outputs["logits"], bound.outputs.get("taps")
         for entry, index, row in zip(entries, indices, rows):
             count = len(row.tokens)
@@ -307,7 +327,8 @@ class _InPlaceDrafter(_InPlaceGraph):
         inputs["context_positions"][0] = np.arange(past, row.start)
         inputs["seqlens_k"][0] = row.start + width - 1
         inputs["total_length"][...] = row.start + width
-        self.session.run_with_iobinding(bound.io)
+        with denormals_flushed():
+            self.session.run_with_iobinding(bound.io)
         self.cache.lengths[row.slot] = row.start
         return torch.from_numpy(bound.outputs["draft_logits"][0].copy())  # the buffers are reused
 
