@@ -8,6 +8,12 @@ request's. The cost model reads these points as the *shape* of the costs and anc
 cost in traffic, which it measures from the first step on (``runtime/costs.py``): a few points suffice, and a
 point left out is interpolated. A full batch x width grid took minutes on a CPU for a bf16 Qwen3-0.6B-shaped
 target (docs/serving-notes.md §13).
+
+Before timing, a one-row draft call runs once for each context a cycle can hand the drafter (1 to ``block_len``
+taps: the anchor plus the accepted drafts), untimed. A backend's first call of a shape costs more than the next
+ones (an ONNX Runtime engine's one-row draft: 1.1 ms the first time at each context, 0.6 ms after), and a session's
+first cycles meet a new context almost every cycle: priced from them, drafting at batch 1 looked 1.5-2x dearer
+than it is, and ``auto`` decoded plainly where drafting won 1.3x.
 """
 
 from __future__ import annotations
@@ -73,10 +79,13 @@ def _timed(run, restore, clock: Callable[[], float], deadline: float) -> float:
 
 
 def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: int, max_seq_len: int,
-              clock: Callable[[], float] = time.perf_counter, budget_s: float = BUDGET_S) -> CostModel:
+              clock: Callable[[], float] = time.perf_counter, budget_s: float = BUDGET_S,
+              warm_shapes: bool = True) -> CostModel:
     """Fill ``costs`` with the median time of a few verify and draft forwards (``_points``) at a context of
     ``CONTEXT`` scratch positions (bounded so the widest block still fits ``max_seq_len``), starting no new point
-    after ``budget_s`` seconds (the first ``ALWAYS`` are always timed)."""
+    after ``budget_s`` seconds (the first ``ALWAYS`` are always timed). ``warm_shapes``: first run the one-row
+    draft call at every context a cycle can bring (a backend whose first call of a shape costs nothing extra, such
+    as the policy simulator's, may skip it)."""
     deadline = clock() + budget_s
     config = backend.draft_config
     taps_width = len(config.target_layer_ids) * config.hidden_size if has_drafter else 0
@@ -103,6 +112,13 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
         for slot in slots:
             backend.crop_target_slot(slot, context)
 
+    if warm_shapes and has_drafter and block_len > 1 and context:
+        fill(1)
+        for taken in range(1, min(block_len, context) + 1):  # untimed, cheapest first; ends with the budget
+            if clock() >= deadline:
+                break
+            draft_call([DraftRow(0, [0] * block_len, torch.zeros(taken, taps_width, dtype=dtype, device=device),
+                                 context)])
     for index, (kind, batch, width) in enumerate(_points(backend.max_batch, block_len, has_drafter)):
         if index >= ALWAYS and clock() >= deadline:
             break

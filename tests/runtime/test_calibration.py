@@ -51,8 +51,19 @@ def test_calibration_times_the_corners_of_the_cost_shape_over_a_served_context(s
     prefill = [row for rows in backend.verified for row in rows if row.last_only]  # each slot once, when first used
     assert sorted((r.slot, r.start, len(r.tokens)) for r in prefill) == [(slot, 0, context) for slot in range(4)]
     assert {row.start for rows in backend.verified for row in rows if not row.last_only} == {context}
-    drafts = [row for rows in backend.drafted for row in rows if len(row.block) > 2]  # not a scratch context's
-    assert {(row.start, row.taps.shape[0]) for row in drafts} == {(context, TAPS)}
+    drafts = [rows for rows in backend.drafted if len(rows[0].block) > 2]  # not a scratch context's
+    warm_ups = [rows[0].taps.shape[0] for rows in drafts[:4]]  # first: one row at each context a cycle can bring
+    assert warm_ups == [1, 2, 3, 4] and all(len(rows) == 1 and rows[0].slot == 0 for rows in drafts[:4])
+    assert {(row.start, row.taps.shape[0]) for rows in drafts[4:] for row in rows} == {(context, TAPS)}
+
+
+def test_calibration_without_shape_warm_ups_times_the_same_points_and_draws_no_other_draft(session):
+    """The policy simulator's backend has no first-call cost per shape: it calibrates without the warm-ups."""
+    backend = Recording(session.backend)
+    costs = calibrate(backend, CostModel(), True, 4, session.max_seq_len, warm_shapes=False)
+    assert set(costs.calibrated["draft"]) == {(b, 4) for b in (1, 2, 4)}
+    drafts = [row for rows in backend.drafted for row in rows if len(row.block) > 2]
+    assert {row.taps.shape[0] for row in drafts} == {TAPS}
 
 
 class SlowClock:
