@@ -58,7 +58,11 @@ class CudaGraphForwards:
         self.enabled = True
         self.pool = torch.cuda.graph_pool_handle()
         self.captured: dict[tuple, _Captured] = {}
-        self.shapes: set[tuple] = set()
+
+    @property
+    def shapes(self) -> set[tuple]:
+        """Buckets captured so far, as ``CompiledForwards.shapes``: ("target"|"draft", B, T[, C])."""
+        return set(self.captured)
 
     def run(self, kind: str, shape: tuple, *args) -> object | None:
         key = (kind, *shape)
@@ -73,7 +77,6 @@ class CudaGraphForwards:
                               "DFLASH_TORCH_COMPILE=0 to skip capturing.", RuntimeWarning, stacklevel=2)
                 return None
             self.captured[key] = captured
-            self.shapes.add(key)
         return _private_taps(kind, captured.replay(args, kind))
 
 
