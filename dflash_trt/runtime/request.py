@@ -1,6 +1,7 @@
 """What the runtime holds for one request between steps, and what a step commits for it (docs/algorithm.md §3.1).
 
-Data only: the step (``runtime/step.py``) reads and advances it, the scheduler owns it.
+Data only: the prefill (``runtime/prefill.py``) and the step (``runtime/step.py``) read and advance it, the
+scheduler owns it.
 """
 
 from __future__ import annotations

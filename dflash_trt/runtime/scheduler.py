@@ -1,6 +1,6 @@
 """Continuous batching of draft-verify steps across requests (one worker thread per session).
 
-Each step: admit queued requests into free cache slots (their prompts in one forward, ``step.prefill``), drop
+Each step: admit queued requests into free cache slots (their prompts in one forward, ``prefill.prefill``), drop
 cancelled ones, pick every request's draft length (``policy``), then run one batched step (``step.run_step``: one
 draft call, one verify call, one acceptance, one host read) and hand each request its cycle. Requests differ in
 position, block length, sampling parameters and seed; each keeps its own RNG, so its output does not depend on what
@@ -29,8 +29,9 @@ from dflash_trt.plugins.interface import Backend
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.planner import AutoPlanner, RequestMemory
 from dflash_trt.runtime.policy import AcceptanceTracker, SpeculationConfig, static_lengths
+from dflash_trt.runtime.prefill import prefill
 from dflash_trt.runtime.request import Cycle, RequestState
-from dflash_trt.runtime.step import StepReport, prefill, run_step
+from dflash_trt.runtime.step import StepReport, run_step
 
 Sink = Callable[[Cycle | BaseException | None], None]  # a cycle, an error, or None when cancelled
 Subscriber = Callable[[StepReport], None]

@@ -17,13 +17,16 @@
 
 A request alone is a one-row batch. The step reports what it did (rows, widths, drafted and accepted per row) and,
 when a subscriber wants it, how long it and its forwards took: measurement sits beside the loop (docs/style.md R11).
+
+A request's prompt runs before its first step (``runtime/prefill.py``). A forward that raises is rerun row by row,
+and a request whose own row or commit fails is dropped from the step (``runtime/row_failures.py``). The index
+tensors a step's shape determines come from a cache (``runtime/step_indices.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -32,13 +35,10 @@ from dflash_trt.errors import NumericalError
 from dflash_trt.model.transfer import to_device
 from dflash_trt.plugins.interface import Backend, DraftProposal, DraftRow, TargetRow
 from dflash_trt.runtime.request import Cycle, RequestState
+from dflash_trt.runtime.row_failures import Fail, fail_row, fill_failed, forward_isolated
 from dflash_trt.runtime.sampling import argmax_rows, draw, has_mass, sampling_probs, uniforms
-from dflash_trt.runtime.verify import DraftProbs, RowLayout, Verdicts, accept_matching, accept_rejection
-
-Fail = Callable[[RequestState, BaseException], None]
-_CACHED_SHAPES = 256
-"""Step shapes (draft counts per row) whose index tensors are kept for reuse."""
-"""Called for a request whose own work failed; the step goes on without it."""
+from dflash_trt.runtime.step_indices import row_layout, token_index
+from dflash_trt.runtime.verify import DraftProbs, Verdicts, accept_matching, accept_rejection
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,10 @@ def run_step(backend: Backend, states: list[RequestState], lengths: list[int], f
                            _context(states[i]), states[i].start, **(walks.get(i, {}) if dflash2 else {}))
                   for i in drafting]
     draft_began = clock() if clock else 0.0
-    draft_logits = _forward(backend.propose_batch if dflash2 else backend.draft_batch, draft_rows, states, drafting,
-                            fail, alive)
+    draft_logits = forward_isolated(backend.propose_batch if dflash2 else backend.draft_batch, draft_rows, states,
+                                    drafting, fail, alive)
     draft_s = clock() - draft_began if clock and drafting else 0.0
-    _fill_failed(draft_logits, counts, backend, 0, states[0].generator.device, dflash2)
+    fill_failed(draft_logits, counts, backend, 0, states[0].generator.device, dflash2)
     for i in drafting:
         states[i].pending = []  # the draft call took them in
     for group in groups.values():
@@ -120,9 +120,10 @@ def run_step(backend: Backend, states: list[RequestState], lengths: list[int], f
     verify_rows = [TargetRow(states[i].slot, tokens[i, :counts[i] + 1], states[i].start) for i in live]
     with_taps = any(states[i].uses_drafter for i in live)
     verify_began = clock() if clock else 0.0
-    results = _forward(lambda rows: backend.target_batch(rows, with_taps), verify_rows, states, live, fail, alive)
+    results = forward_isolated(lambda rows: backend.target_batch(rows, with_taps), verify_rows, states, live, fail,
+                               alive)
     verify_s = clock() - verify_began if clock and live else 0.0
-    _fill_failed(results, counts, backend, 1, states[0].generator.device)
+    fill_failed(results, counts, backend, 1, states[0].generator.device)
 
     # accept per group, then one transfer of every verdict
     verdicts: list[tuple[_Group, Verdicts, Tensor]] = []
@@ -133,7 +134,7 @@ def run_step(backend: Backend, states: list[RequestState], lengths: list[int], f
             verdicts.append((group, *_accept(group, results)))
         except Exception as error:  # noqa: BLE001 - delivered to the group's requests, the batch goes on
             for i in group.rows:
-                _fail(fail, states[i], error, alive, i)
+                fail_row(fail, states[i], error, alive, i)
     host = _transfer(verdicts)
 
     done: list[tuple[RequestState, Cycle]] = []
@@ -149,7 +150,7 @@ def run_step(backend: Backend, states: list[RequestState], lengths: list[int], f
                                          "checkpoint's weights, or decode greedily (temperature 0).")
                 cycle = commit(backend, state, committed[n][:accepted[n] + 1], counts[i], accepted[n], results[i][1])
             except Exception as error:  # noqa: BLE001 - delivered to that request, the others go on
-                _fail(fail, state, error, alive, i)
+                fail_row(fail, state, error, alive, i)
                 continue
             done.append((state, cycle))
     rows = tuple(state for state, _ in done)
@@ -179,44 +180,6 @@ def commit(backend: Backend, state: RequestState, tokens: list[int], drafted: in
     # crop to start: the bonus is not in the cache; it is verified as slot 0 of the next block
     backend.crop_target_slot(state.slot, state.start)
     return Cycle(tokens, drafted=drafted, accepted=accepted, stopped=stopped, finished=state.finished)
-
-
-def prefill(backend: Backend, states: list[RequestState], fail: Fail) -> list[tuple[RequestState, Cycle]]:
-    """Run the prompts of newly admitted requests in one target call; the first token comes from each last prompt
-    row (argmax, or a draw with one uniform), read back in one transfer. The taps of every prompt row become the
-    first draft context (docs/algorithm.md §3.2, step 1)."""
-    with_taps = any(s.uses_drafter for s in states)
-    alive = set(range(len(states)))
-    rows = [TargetRow(s.slot, s.prompt_ids, 0, last_only=True) for s in states]
-    results = _forward(lambda r: backend.target_batch(r, with_taps), rows, states, list(range(len(states))), fail,
-                       alive)
-    live = [i for i in range(len(states)) if i in results]
-    firsts, finite = [], []
-    for i in live:
-        state, last = states[i], results[i][0][-1:]
-        if state.rule == "greedy":
-            firsts.append(argmax_rows(last))
-            finite.append(torch.ones(1, dtype=torch.long, device=last.device))
-        else:
-            probs = sampling_probs(last, state.params.temperature, state.params.top_p, state.params.top_k)
-            firsts.append(draw(probs, uniforms(state.generator, 1)))
-            finite.append(has_mass(probs).long())
-    values = torch.cat(firsts + finite).tolist() if live else []  # host-sync: the first tokens go to the caller
-    done = []
-    for n, i in enumerate(live):
-        state, taps = states[i], results[i][1]
-        if not values[len(live) + n]:
-            _fail(fail, state, NumericalError(f"request in slot {state.slot}: the prompt's next-token distribution "
-                                              "is not finite; expected finite logits. Fix: check the checkpoint's "
-                                              "weights."), alive, i)
-            continue
-        state.anchor = values[n]
-        state.pending = [taps] if taps is not None and state.uses_drafter else []
-        stopped = state.anchor in state.stop_ids
-        state.finished = stopped or state.start + 1 >= state.max_length
-        done.append((state, Cycle([state.anchor], drafted=0, accepted=0, prefill=True, stopped=stopped,
-                                  finished=state.finished)))
-    return done
 
 
 # ----------------------------------------------------------------------------- the phases
@@ -283,30 +246,8 @@ def _verify_tokens(states: list[RequestState], counts: list[int], groups: dict[t
     if not any(counts):  # plain decoding steps: the anchors are the whole rows
         return to_device([s.anchor for s in states], device).unsqueeze(1)
     anchors = to_device([s.anchor for s in states] + [-1], device)  # the -1 is the padding's source
-    index = _token_index(tuple(counts), tuple(tuple(group.rows) for group in groups.values()), device)
+    index = token_index(tuple(counts), tuple(tuple(group.rows) for group in groups.values()), device)
     return torch.cat([anchors, *(group.proposals for group in groups.values())])[index]
-
-
-@lru_cache(maxsize=_CACHED_SHAPES)
-def _token_index(counts: tuple[int, ...], groups: tuple[tuple[int, ...], ...], device: torch.device) -> Tensor:
-    """Where each verify token comes from in ``[anchors, -1, proposals of each group in turn]``: ``[R, K+1]``. A
-    function of the step's shape only, so steady-state steps reuse it instead of copying it over again."""
-    rows, offsets = len(counts), {}
-    base = rows + 1
-    for members in groups:
-        for i in members:
-            offsets[i] = base
-            base += counts[i]
-    width = max(counts, default=0) + 1
-    index = [i if j == 0 else (offsets[i] + j - 1 if j <= counts[i] else rows)
-             for i in range(rows) for j in range(width)]
-    return to_device(index, device).view(rows, width)
-
-
-@lru_cache(maxsize=_CACHED_SHAPES)
-def _layout(counts: tuple[int, ...], device: torch.device) -> RowLayout:
-    """``RowLayout.of``, reused by steps of the same counts (in steady state, every step of a batch)."""
-    return RowLayout.of(counts, device)
 
 
 def _accept(group: _Group, results: dict[int, tuple[Tensor, Tensor | None]]) -> tuple[Verdicts, Tensor | None]:
@@ -315,7 +256,7 @@ def _accept(group: _Group, results: dict[int, tuple[Tensor, Tensor | None]]) -> 
     logits = torch.cat([results[i][0] for i in group.rows]) if len(group.rows) > 1 else results[group.rows[0]][0]
     if group.rule == "greedy" and not any(group.counts):  # plain decoding steps
         return Verdicts(None, argmax_rows(logits).unsqueeze(1)), None
-    layout = _layout(tuple(group.counts), logits.device)
+    layout = row_layout(tuple(group.counts), logits.device)
     if group.rule == "greedy":
         return accept_matching(group.proposals, argmax_rows(logits), layout), None
     target_probs = sampling_probs(logits, *group.key[1:])
@@ -352,58 +293,6 @@ def _transfer(verdicts: list[tuple[_Group, Verdicts, Tensor | None]]
         flat, at = values[at:at + rows * width], at + rows * width
         host.append((accepted, finite_rows, [flat[n * width:(n + 1) * width] for n in range(rows)]))
     return host
-
-
-# ----------------------------------------------------------------------------- failures
-
-
-def _forward(forward: Callable, rows: list, states: list[RequestState], indices: list[int], fail: Fail,
-             alive: set[int]) -> dict[int, object]:
-    """``forward(rows)`` at once (row ``n`` belongs to ``states[indices[n]]``), as ``{index: output}``; if the batched
-    call raises, each row alone, so only the requests whose own row fails get the error (a re-run rewrites the
-    same cache positions) and have no output."""
-    if not rows:
-        return {}
-    try:
-        return dict(zip(indices, forward(rows)))
-    except Exception as error:  # noqa: BLE001 - isolated below
-        if len(rows) == 1:
-            _fail(fail, states[indices[0]], error, alive, indices[0])
-            return {}
-    outputs = {}
-    for row, index in zip(rows, indices):
-        try:
-            outputs[index] = forward([row])[0]
-        except Exception as error:  # noqa: BLE001 - delivered to that request
-            _fail(fail, states[index], error, alive, index)
-    return outputs
-
-
-def _fill_failed(outputs: dict, counts: list[int], backend: Backend, offset: int, device_of: torch.device,
-                 proposals: bool = False) -> None:
-    """Zero logits ``[k + offset, V]`` (``proposals``: a DFlash2 ``DraftProposal`` of token 0 with all its mass) for
-    the rows whose forward failed (their verdicts are never committed)."""
-    known = next(iter(outputs.values()), None)
-    for i, count in enumerate(counts):
-        if i in outputs or count + offset == 0:
-            continue
-        if proposals:
-            zeros = torch.zeros(count, 1, dtype=torch.long, device=device_of)
-            outputs[i] = DraftProposal(zeros[:, 0], zeros, torch.ones(count, 1, device=device_of))
-            continue
-        if known is None:  # every row failed: nothing of this step is committed
-            vocab, device = backend.target_config.vocab_size, device_of
-        else:
-            sample = known if isinstance(known, Tensor) else known[0]
-            vocab, device = sample.shape[-1], sample.device
-        zeros = torch.zeros(count + offset, vocab, device=device)
-        outputs[i] = zeros if offset == 0 else (zeros, None)
-
-
-def _fail(fail: Fail, state: RequestState, error: BaseException, alive: set[int], index: int) -> None:
-    if index in alive:
-        alive.discard(index)
-        fail(state, error)
 
 
 def _draft_width(rows: list[DraftRow]) -> int:
