@@ -22,6 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from dflash_trt.runtime.costs import CostModel
+from dflash_trt.runtime.stats import count_prefix, cycle_positions
 
 MARGIN = 0.05
 """Predicted gain below this fraction of plain decoding's rate is noise: draft nothing."""
@@ -54,7 +55,7 @@ class AcceptanceTracker:
         self.cycles: deque[tuple[int, int]] = deque()
         self.window, self.positions = window, positions
         self.reached = [0] * positions  # cycles that drafted position j with every earlier one accepted
-        self.passed = [0] * positions  # ... and accepted it
+        self.passed = [0] * positions  # ... and accepted it (both as stats.cycle_positions counts them)
         self.drafted = self.accepted = 0
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -68,9 +69,9 @@ class AcceptanceTracker:
     def _count(self, drafted: int, accepted: int, sign: int) -> None:
         self.drafted += sign * drafted
         self.accepted += sign * accepted
-        for j in range(min(drafted, accepted + 1, self.positions)):
-            self.reached[j] += sign
-            self.passed[j] += sign * (j < accepted)
+        counted = cycle_positions(drafted, accepted, self.positions)
+        count_prefix(self.reached, counted.reached, sign)
+        count_prefix(self.passed, counted.accepted, sign)
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -2,6 +2,8 @@
 
 Data only (docs/style.md R11): the loop reports each cycle with :meth:`SpecStats.observe`; sinks (CLI
 JSON, benchmark reports, Triton outputs, Prometheus) read the properties. τ includes the bonus token.
+:func:`cycle_positions` is the one rule for which draft positions a cycle counts at; ``SpecStats`` and the
+policy's rolling ``AcceptanceTracker`` (runtime/policy.py) both count with it.
 """
 
 from __future__ import annotations
@@ -40,13 +42,12 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        _grow(self.accepted_per_position, drafted)
+        counted = cycle_positions(drafted, accepted)
+        _grow(self.accepted_per_position, drafted)  # both lists span every drafted position (rates zip them)
         _grow(self.drafted_per_position, drafted)
         _grow(self.histogram, drafted + 1)
-        for position in range(drafted):
-            self.drafted_per_position[position] += 1
-            if position < accepted:
-                self.accepted_per_position[position] += 1
+        count_prefix(self.drafted_per_position, counted.drafted)
+        count_prefix(self.accepted_per_position, counted.accepted)
         self.histogram[accepted] += 1
 
     def merge(self, other: SpecStats) -> SpecStats:
@@ -120,6 +121,38 @@ class SpecStats:
             "tokens_per_s": self.tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
         }
+
+
+@dataclass(frozen=True)
+class CyclePositions:
+    """The draft positions one cycle counts at, each set a prefix ``0 … n-1`` held as its length ``n``.
+
+    A cycle that drafted ``d`` tokens and accepted the first ``a`` (``0 <= a <= d``), with at most ``P``
+    positions kept, counts at position ``j`` (0-based) when:
+
+        drafted[j]  = j < min(d, P)             proposed (per-position denominator, docs/algorithm.md §6)
+        reached[j]  = j < min(d, a + 1, P)      proposed with every earlier draft accepted (the denominator of
+                                                the conditional α_j, docs/algorithm.md §3.6)
+        accepted[j] = j < min(a, P)             accepted (the numerator of both)
+    """
+
+    drafted: int
+    reached: int
+    accepted: int
+
+
+def cycle_positions(drafted: int, accepted: int, positions: int | None = None) -> CyclePositions:
+    """:class:`CyclePositions` of one cycle: ``drafted`` proposals of which the first ``accepted`` were taken,
+    counted over the first ``positions`` draft positions (all of them when None)."""
+    assert 0 <= accepted <= drafted, f"accepted {accepted} of {drafted} drafts"
+    cap = drafted if positions is None else min(drafted, positions)
+    return CyclePositions(drafted=cap, reached=min(accepted + 1, cap), accepted=min(accepted, cap))
+
+
+def count_prefix(counts: list[int], length: int, sign: int = 1) -> None:
+    """``counts[j] += sign`` for ``j < length`` (a cycle entering a window adds 1, one leaving subtracts 1)."""
+    for j in range(length):
+        counts[j] += sign
 
 
 def _grow(values: list[int], size: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cost_tables import linear_costs
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from dflash_trt.runtime.policy import (AcceptanceTracker, SpeculationConfig, auto_length, expected_tokens,
                                        scheduled_length, static_lengths)
@@ -36,6 +36,21 @@ def test_tracker_conditional_acceptance():
     assert alphas[0] == pytest.approx(2 / 3)  # 3 reached position 1, 2 passed
     assert alphas[1] == pytest.approx(1 / 2)
     assert tracker.acceptance_rate == pytest.approx(4 / 9)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(window=st.integers(1, 6), positions=st.integers(1, 5),
+       cycles=st.lists(st.integers(0, 8).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))), max_size=20))
+def test_tracker_counts_match_a_recount_of_its_window(window, positions, cycles):
+    """``reached[j]``/``passed[j]`` over the last ``window`` drafting cycles, positions past ``positions`` dropped
+    (drafts may outnumber them), recounted position by position; the totals keep every draft."""
+    tracker = AcceptanceTracker(window, positions)
+    for drafted, accepted in cycles:
+        tracker.observe(drafted, accepted)
+    kept = [c for c in cycles if c[0]][-window:]
+    assert tracker.reached == [sum(j < d and j <= a for d, a in kept) for j in range(positions)]
+    assert tracker.passed == [sum(j < a for _, a in kept) for j in range(positions)]
+    assert (tracker.drafted, tracker.accepted) == (sum(d for d, _ in kept), sum(a for _, a in kept))
 
 
 def test_auto_drafts_when_acceptance_is_high_and_cost_is_flat():

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.runtime.stats import SpecStats
+from dflash_trt.runtime.stats import CyclePositions, SpecStats, count_prefix, cycle_positions
 
 FAST = settings(max_examples=100, deadline=None, derandomize=True, database=None)
 
@@ -152,3 +152,54 @@ def test_to_dict_is_json_ready():
     data = json.loads(json.dumps(stats.to_dict()))
     assert data["draft_lens_used"] == {"0": 1, "3": 1}
     assert data["acceptance_histogram"] == [0, 1, 0, 0]
+
+
+# ---- cycle_positions: the one per-position counting rule (SpecStats and the policy's AcceptanceTracker) ----
+
+def test_a_cycle_without_drafts_counts_at_no_position():
+    assert cycle_positions(0, 0) == CyclePositions(drafted=0, reached=0, accepted=0)
+    assert cycle_positions(0, 0, positions=4) == CyclePositions(drafted=0, reached=0, accepted=0)
+
+
+def test_a_cycle_rejecting_its_first_draft_reaches_only_position_0():
+    assert cycle_positions(3, 0) == CyclePositions(drafted=3, reached=1, accepted=0)
+
+
+def test_a_fully_accepted_cycle_reaches_no_position_past_its_drafts():
+    assert cycle_positions(3, 3) == CyclePositions(drafted=3, reached=3, accepted=3)
+    assert cycle_positions(1, 1) == CyclePositions(drafted=1, reached=1, accepted=1)
+
+
+def test_positions_past_the_cap_are_not_counted():
+    assert cycle_positions(7, 2, positions=4) == CyclePositions(drafted=4, reached=3, accepted=2)
+    assert cycle_positions(7, 3, positions=4) == CyclePositions(drafted=4, reached=4, accepted=3)
+    assert cycle_positions(7, 5, positions=4) == CyclePositions(drafted=4, reached=4, accepted=4)
+    assert cycle_positions(7, 7, positions=4) == CyclePositions(drafted=4, reached=4, accepted=4)
+    assert cycle_positions(3, 1, positions=8) == cycle_positions(3, 1)  # a cap above the drafts changes nothing
+
+
+def test_more_accepted_than_drafted_is_refused():
+    with pytest.raises(AssertionError):
+        cycle_positions(2, 3)
+
+
+@FAST
+@given(st.integers(0, 9).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))),
+       st.one_of(st.none(), st.integers(1, 12)))
+def test_cycle_positions_match_a_position_by_position_recount(cycle, positions):
+    drafted, accepted = cycle
+    kept = range(drafted if positions is None else positions)
+    counted = cycle_positions(drafted, accepted, positions)
+    assert counted.drafted == sum(j < drafted for j in kept)
+    assert counted.reached == sum(j < drafted and all(i < accepted for i in range(j)) for j in kept)
+    assert counted.accepted == sum(j < drafted and j < accepted for j in kept)
+
+
+def test_count_prefix_adds_or_subtracts_over_the_first_positions_only():
+    counts = [5, 5, 5, 5]
+    count_prefix(counts, 2)
+    assert counts == [6, 6, 5, 5]
+    count_prefix(counts, 3, sign=-1)
+    assert counts == [5, 5, 4, 5]
+    count_prefix(counts, 0)
+    assert counts == [5, 5, 4, 5]
