@@ -11,16 +11,15 @@ session's recent cycles) and the measured costs (``runtime/costs.py``):
    every live request drafts it. One estimate for the whole session, not one per request: a request's own
    recent cycles predict its next one poorly (under sampling, cycles are close to independent), and following
    them through bad stretches left the full block, which wins at c=1 on a memory-bound GPU, on the table.
-3. **Explore.** Otherwise, requests not yet measured (fewer than ``PROBE_CYCLES`` cycles; every request while
-   the prior is not informed) draft their full block, if a drafter better than the prior (each α halfway to 1, or optimistic while the prior has few
-   cycles) would pay at this batch and the *exploration credit* covers the step's predicted net cost. The
-   credit is time: a session starts with ``COLD_PLAIN_STEPS`` plain steps' worth (at most ``COLD_CAP_S``
-   seconds), and every step served adds ``EXPLORE_FRACTION`` of its time, up to that starting bank. An
-   exploration is charged what it cost: its measured time less the plain-decoding time of the tokens it
-   committed. So exploration costs at most the starting bank plus ``EXPLORE_FRACTION`` of the time served,
-   however many requests arrive; a cold session's exploring included (before the prior is informed, drafting
-   is exploring). A session whose drafter went bad keeps sampling new requests, and notices when the
-   workload changes.
+3. **Explore.** Otherwise, requests not yet measured (fewer than ``PROBE_CYCLES`` cycles; every request while the
+   prior is not informed) draft their full block, if a drafter better than the prior (each α halfway to 1, or
+   optimistic while the prior has few cycles) would pay at this batch and the *exploration credit* covers the step's
+   predicted net cost. The credit is time: a session starts with ``COLD_PLAIN_STEPS`` plain steps' worth (at most
+   ``COLD_CAP_S`` seconds), and every step served adds ``EXPLORE_FRACTION`` of its time, up to that starting bank.
+   An exploration is charged what it cost: its measured time less the plain-decoding time of the tokens it
+   committed. So exploration costs at most the starting bank plus ``EXPLORE_FRACTION`` of the time served, however
+   many requests arrive; a cold session's exploring included (before the prior is informed, drafting is exploring).
+   A session whose drafter went bad keeps sampling new requests, and notices when the workload changes.
 4. **Retire.** When the informed prior says plain decoding for this batch, the live requests stop drafting
    for good (their verify forwards stop computing context taps: on a CPU at batch 16 those cost ~10% of a
    step). Both judgements (hopeless, plain for the prior) count every request with a drafter, the retired
