@@ -7,7 +7,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from engine_builds import stories_drafter
+from engine_builds import cli_built_engine, stories_drafter
 
 from dflash_trt.formats.load import embedded_target_path
 from dflash_trt.formats.manifest import read_manifest
@@ -29,9 +29,8 @@ def test_build_help_ends_with_examples():
 
 def test_onnxruntime_engine_runs_with_the_same_tokens_as_torch(tmp_path_factory):
     pytest.importorskip("onnxruntime")
-    root = tmp_path_factory.getbasetemp()
-    out = root / "cli-ort"
-    result = _build(root, out, "--backend", "onnxruntime", "--json")
+    # the folder the ONNX Runtime tests share (engine_builds.built_engine "ort-standard": the same request)
+    result, out = cli_built_engine(tmp_path_factory.getbasetemp(), "ort-standard", "--backend", "onnxruntime", "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["backends"] == ["onnxruntime", "torch"] and summary["peak_rss_bytes"] > 0
@@ -46,9 +45,8 @@ def test_onnxruntime_engine_runs_with_the_same_tokens_as_torch(tmp_path_factory)
 
 @pytest.mark.skipif(gpu_info() is not None, reason="checks the CPU-machine behaviour")
 def test_tensorrt_on_cpu_writes_graphs_and_states_what_it_could_not_build(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp()
-    out = root / "cli-trt"
-    result = _build(root, out, "--backend", "tensorrt")
+    # the folder the TensorRT tests share (engine_builds.built_engine "trt": the same request)
+    result, out = cli_built_engine(tmp_path_factory.getbasetemp(), "trt", "--backend", "tensorrt")
     assert result.exit_code == 0, result.output
     manifest = read_manifest(out)
     assert "not built on this machine" in manifest.checks["tensorrt_plans"]
