@@ -9,8 +9,9 @@ def linear_costs(verify_base: float, verify_per_token: float, draft_base: float,
     """Verify and draft forwards at batch 1..64 and width 1..16: ``base + per_token * batch * width`` seconds.
 
     A large per-token term is a compute-bound machine (a CPU: batch 64 x 16 tokens costs 16x batch 64 x 1);
-    a small one is a memory-bound GPU at low batch (16 tokens cost about what one does)."""
-    costs = CostModel()
+    a small one is a memory-bound GPU at low batch (16 tokens cost about what one does). Every overhead is kept
+    from the first step (no warming steps)."""
+    costs = CostModel(warming_steps=0)
     for batch in (1, 2, 4, 8, 16, 32, 64):
         for width in (1, 2, 4, 8, 16):
             costs.record("verify", batch, width, verify_base + verify_per_token * batch * width)

@@ -257,7 +257,7 @@ def run(regime: Regime, workload: Workload, concurrency: int, policy: str, *, se
     load = Load(seed * 7919 + 1, regime.plain_step(), NOISE_SIGMA if noise else 0.0, bursts=noise)
     specs: dict[int, tuple[int, list[int]]] = {}
     backend = SimBackend(regime, clock, load, concurrency, specs)
-    costs = CostModel()
+    costs = CostModel(warming_steps=0)  # simulated steps cost the same from the first one: nothing warms
     speculation = _speculation(policy)
     if policy == "auto":
         longest = max(len(workload.positions(i)) for i in range(len(workload.requests)))

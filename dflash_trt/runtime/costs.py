@@ -41,6 +41,11 @@ _TRUSTED = 3
 is often a cold one: a session's first drafting step took 9 ms outside its forwards, later ones 0.7 ms)."""
 _LOAD_HISTORY = 64
 """Verifies of one point its usual time is taken over, for :attr:`CostModel.load`."""
+WARMING_STEPS = 12
+"""A session's first drafting steps, whose time outside the forwards is not kept: on an ONNX Runtime engine at batch
+1 the first ten took 1.4-2.2 ms there, the later ones 0.75-0.85 ms, and three of them priced drafting at a loss
+where it won 1.3x (nothing measured it again until that price expired). A backend without such a warm-up (the policy
+simulator's) passes 0."""
 _STALE_STEPS = 256
 """Scheduler steps after which a point's measurements expire (it was not measured since)."""
 
@@ -85,10 +90,12 @@ class StepCosts:
 class CostModel:
     """Seconds per forward, keyed by (batch size, tokens per row), and per step outside the forwards."""
 
-    def __init__(self) -> None:
+    def __init__(self, warming_steps: int = WARMING_STEPS) -> None:
+        self.warming_steps = warming_steps  # first drafting steps whose overheads are not kept (see WARMING_STEPS)
         self.calibrated: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}  # the shape
         self.table: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}  # latest online estimate
         self._steps = 0  # scheduler steps measured (one overhead each)
+        self._drafting_steps = 0  # drafting steps seen while warming (up to warming_steps)
         self.last_draft: tuple[int, int, float] | None = None  # (batch, width, seconds) of the last draft call
         self._samples: dict[tuple, deque[float]] = {}  # point -> its last ``_WINDOW`` measurements (see _measured)
         self._load_history: dict[tuple[int, int], deque[float]] = {}  # (batch, width) -> its last verifies
@@ -119,6 +126,9 @@ class CostModel:
     def record_overhead(self, drafting: bool, batch: int, seconds: float) -> None:
         """One step's time outside its forwards (one call per scheduler step: it is the policy's step clock)."""
         self._steps += 1
+        if drafting and self._drafting_steps < self.warming_steps:
+            self._drafting_steps += 1
+            return
         self._overhead_batches[drafting].add(batch)
         self._measured(("overhead", drafting, batch), seconds)
 

@@ -66,7 +66,7 @@ def test_a_cold_session_explores_its_first_request():
 def test_a_length_whose_cost_is_a_guess_is_tried_for_a_few_steps_then_exploited_once_measured():
     """Only the shape of the costs is known (a calibration): drafting is predicted to pay, but trying it is
     exploring (charged to the credit) until traffic has measured it."""
-    costs = CostModel()
+    costs = CostModel(warming_steps=0)
     for batch in (1, 4):
         for width in (1, 4, 16):
             costs.calibrate("verify", batch, width, 1e-3 + 1e-6 * batch * width)
@@ -168,7 +168,7 @@ def test_a_long_prompt_still_to_take_in_does_not_make_drafting_hopeless_for_good
 def engine_like_costs(scale: float = 1.0, drafting_overhead: bool = True) -> CostModel:
     """Batch-1 costs shaped like the ONNX Runtime engine on a 2-core CPU (a 15-draft cycle costs ~3 plain
     steps: drafting pays from τ ≈ 3), every point scaled by ``scale``."""
-    costs = CostModel()
+    costs = CostModel(warming_steps=0)
     for width in (1, 2, 4, 8, 16):
         costs.calibrate("verify", 1, width, scale * (0.9e-3 + 0.035e-3 * (width - 1)))
         if width > 1:
