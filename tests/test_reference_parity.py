@@ -141,12 +141,19 @@ class Reference:
             return logits
 
         self.draft.compute_logits = recording
+        self.runs: dict = {}
 
     def generate(self, prompt: list[int], max_new_tokens: int, block_len: int, stop: list[int] | None):
-        self.logits = []
-        out = dflash_model.dflash_generate(self.draft, self.target, torch.tensor([prompt]), max_new_tokens, stop,
-                                           block_size=block_len, return_stats=True)
-        return out.output_ids[0, len(prompt):].tolist(), list(out.acceptance_lengths), self.logits
+        """(new ids, acceptance lengths, per-cycle recordings); each request runs once per module, as the reference
+        side does not depend on the ``execution`` our side runs on (eager, static, onnxruntime)."""
+        key = (tuple(prompt), max_new_tokens, block_len, tuple(stop or ()))
+        if key not in self.runs:
+            self.logits = []
+            out = dflash_model.dflash_generate(self.draft, self.target, torch.tensor([prompt]), max_new_tokens, stop,
+                                               block_size=block_len, return_stats=True)
+            self.runs[key] = (out.output_ids[0, len(prompt):].tolist(), list(out.acceptance_lengths), self.logits)
+        ids, lengths, recorded = self.runs[key]
+        return list(ids), list(lengths), list(recorded)
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +280,7 @@ class Reference2(Reference):
             return path, candidates, q
 
         self.draft.propose = recording
+        self.runs = {}
 
 
 def our_dflash2(zoo: Zoo, case: Case, prompt: list[int], stop: tuple[int, ...], monkeypatch):
