@@ -96,6 +96,7 @@ class CostModel:
         self.table: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}  # latest online estimate
         self._steps = 0  # scheduler steps measured (one overhead each)
         self._drafting_steps = 0  # drafting steps seen while warming (up to warming_steps)
+        self.last_step_warming = False  # the step recorded last was a warming drafting step
         self.last_draft: tuple[int, int, float] | None = None  # (batch, width, seconds) of the last draft call
         self._samples: dict[tuple, deque[float]] = {}  # point -> its last ``_WINDOW`` measurements (see _measured)
         self._load_history: dict[tuple[int, int], deque[float]] = {}  # (batch, width) -> its last verifies
@@ -126,7 +127,8 @@ class CostModel:
     def record_overhead(self, drafting: bool, batch: int, seconds: float) -> None:
         """One step's time outside its forwards (one call per scheduler step: it is the policy's step clock)."""
         self._steps += 1
-        if drafting and self._drafting_steps < self.warming_steps:
+        self.last_step_warming = drafting and self._drafting_steps < self.warming_steps
+        if self.last_step_warming:
             self._drafting_steps += 1
             return
         self._overhead_batches[drafting].add(batch)

@@ -117,13 +117,19 @@ class AutoPlanner:
 
     def step_took(self, seconds: float) -> None:
         """The step just run took ``seconds``: it earns ``EXPLORE_FRACTION`` of them, and a drafting step is charged
-        what it cost over plain decoding's time for the tokens it committed (a gain refills the credit)."""
+        what it cost over plain decoding's time for the tokens it committed (a gain refills the credit). A session's
+        warming drafting steps (``CostModel.last_step_warming``) are charged at most what the costs predicted: their
+        excess is the session's one-off warm-up, which any drafting policy pays, and on a small model the first one
+        alone spent the whole starting bank."""
         plan = self._plan
         if plan is None or self.credit_s is None:
             return
         self.credit_s += EXPLORE_FRACTION * seconds
         if plan.reason in ("explore", "exploit"):  # settled against plain decoding's time for the same tokens
             batch = len(plan.lengths)
+            if self.costs.last_step_warming:
+                drafting = sum(1 for length in plan.lengths if length)
+                seconds = min(seconds, self.costs.step(batch, drafting, max(plan.lengths)))
             self.credit_s -= seconds - plan.plain_step_s * (batch + self._accepted) / batch
         self.credit_s = min(self.credit_s, self.bank_s)
 

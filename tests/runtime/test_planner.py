@@ -264,3 +264,23 @@ def test_drafting_resumes_once_a_burst_of_load_measured_while_drafting_is_stale(
         costs.record_overhead(False, 1, 0.2e-3)
     plan = planner.plan([request()])
     assert plan.lengths[0] > 0
+
+
+@pytest.mark.parametrize("warming_steps", [0, 12])
+def test_a_warming_drafting_step_is_charged_no_more_than_its_predicted_cost(warming_steps):
+    """A session's first drafting steps run cold (an engine's first ten took twice the time outside the forwards):
+    the exploration credit pays what the costs predicted for them, not the cold excess, which alone spent a small
+    model's whole starting bank. Past warming (or without it) a step pays what it took."""
+    costs = measured(GPU)
+    costs.warming_steps = warming_steps
+    planner = AutoPlanner(costs, AcceptanceTracker(256, 64))
+    plan = planner.plan([request()])
+    assert plan.reason == "explore" and plan.lengths[0] > 0
+    predicted = costs.step(1, 1, plan.lengths[0])
+    before = planner.credit_s
+    costs.record_overhead(True, 1, 0.0)  # the scheduler records the step's costs before the planner hears of it
+    planner.step_took(10 * predicted)  # a cold step
+    charged = before + EXPLORE_FRACTION * 10 * predicted - planner.credit_s
+    plain_equivalent = plan.plain_step_s  # one token committed (nothing accepted)
+    expected = (predicted if warming_steps else 10 * predicted) - plain_equivalent
+    assert charged == pytest.approx(expected)
