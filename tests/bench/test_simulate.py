@@ -88,10 +88,6 @@ KNOWN_FAILURES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, wor
     **{(regime, concurrency, "untrained"): SHORT_COLD.replace("this cell passes", "this cell passes (0.93-0.99x)")
        for regime, concurrency in (("h200-1k", 16), ("h200-32k", 16), ("compute-bound", 16), ("h200-1k", 64),
                                    ("h200-32k", 64))},
-    ("cpu", 16, "stories_t0"): ("plain decoding is the best fixed choice (static k=1: 0.93x) and a cold session "
-                                "probes k=1 for 12 request-cycles of 1,016 at this scale: 0.950x plain with the "
-                                "load read from every verify (0.952x before), a hair under the bar; the docs "
-                                "table's cell is at 0.99x"),
     ("h200-32k", 4, "untrained"): SHORT_COLD.replace("this cell passes", "this cell passes (0.97x); here 0.946x"),
     ("h200-32k", 64, "stories_t0"): ("each row's first draft takes in its 32k-token prompt (~8 ms a row on the "
                                      "simulated H200): 64-token runs leave too few steps to repay it; the docs "

@@ -123,7 +123,12 @@ def test_exploration_costs_at_most_its_bank_plus_a_fraction_of_the_time_served(u
     assert explored_cost <= bank + EXPLORE_FRACTION * served + one  # ... within the budget
 
 
-def test_a_request_retires_when_the_prior_predicts_a_clear_loss_and_not_on_a_close_call():
+def test_requests_retire_on_a_clear_loss_and_on_a_modest_win_that_is_only_a_guess():
+    """A clear loss retires, a close call does not; nor does a length predicted to win clearly (``GUESS_MARGIN``) from
+    the calibrated shape alone that the credit cannot pay a trial of yet, but a modest guessed win does: keeping the
+    drafter while decoding plainly costs context taps every step, which no price shows (an ONNX Runtime engine's
+    batch-16 steps took 3.9 ms against 2.6 ms, waiting for a k=7 trial guessed at 1.15x that the credit never paid;
+    static drafting measured 0.55x there)."""
     costs = measured(dict(verify_base=1e-3, verify_per_token=2e-5, draft_base=1e-3, draft_per_token=2e-5))
     planner = AutoPlanner(costs, prior_with([(15, 0)] * 100))
     planner.plan([request()])
@@ -141,6 +146,27 @@ def test_a_request_retires_when_the_prior_predicts_a_clear_loss_and_not_on_a_clo
         for _ in range(PROBE_CYCLES):
             r.tracker.observe(1, 0)
     assert close.plan(near).lengths == [0] * 4 and not any(r.retired for r in near)
+    assert waits_for_a_guess(draft_s=3e-4, accepted=12)  # a guessed 6.8x: worth waiting for the credit to try it
+    assert not waits_for_a_guess(draft_s=8e-4, accepted=1)  # a guessed 1.17x: retire, a later batch tries it
+
+
+def waits_for_a_guess(draft_s: float, accepted: int) -> bool:
+    """Does a request stay unretired (waiting) when the length predicted to win is priced from the calibrated shape
+    alone and the credit cannot pay its trial; and once the credit covers it, does a later request try it?"""
+    guessed = CostModel(warming_steps=0)
+    for width in (1, 4, 16):
+        guessed.calibrate("verify", 1, width, 1e-3 + 1e-6 * width)
+        guessed.calibrate("draft", 1, width, draft_s + 1e-6 * width)
+    for _ in range(3):
+        guessed.record("verify", 1, 1, 1e-3)
+        guessed.record_overhead(False, 1, 1e-4)
+    planner = AutoPlanner(guessed, prior_with([(15, accepted)] * 50))
+    planner.credit_s = -1.0  # it cannot afford the trial yet
+    first = request()
+    assert planner.plan([first]).lengths == [0]
+    planner.credit_s = planner.bank_s = 1.0
+    assert planner.plan([request()]).reason == "explore"
+    return not first.retired
 
 
 def test_plans_are_reused_while_the_batch_is_unchanged():
