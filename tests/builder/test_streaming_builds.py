@@ -45,6 +45,15 @@ def hf_pair(stories, tmp_path_factory):
     return target, draft
 
 
+@pytest.fixture(scope="module")
+def ort_engine(hf_pair, tmp_path_factory):
+    """An ONNX Runtime engine built from ``hf_pair``'s bfloat16 files (the weights streamed in their stored dtype)."""
+    target, draft = hf_pair
+    out = tmp_path_factory.mktemp("engine") / "ort"
+    build_engine(BuildConfig(out=out, target=target, draft=draft, max_seq_len=128, max_batch_size=2))
+    return out
+
+
 @pytest.mark.parametrize("mode", ["fp8", "nvfp4"])
 def test_streamed_quantization_writes_the_tensors_of_the_whole_model_path(stories, tmp_path, mode):
     """Layer-by-layer calibration gives the whole model's amaxes bit for bit, and the file holds quantize_target's
@@ -114,7 +123,7 @@ def test_a_quantized_trtllm_bundle_is_the_streamed_modelopt_export(hf_pair, stor
         "quant_algo"] == "FP8"
 
 
-def test_an_onnxruntime_engine_stores_each_weight_once_in_the_checkpoint_dtype(hf_pair, tmp_path):
+def test_an_onnxruntime_engine_stores_each_weight_once_in_the_checkpoint_dtype(hf_pair, ort_engine):
     """Graph initializers are external data in the engine's two weight files, bfloat16 as the checkpoint is (with a
     Cast), the drafter graph's embedding and LM head are the target's tensors, and the engine decodes as the torch
     backend does on the same folder, DFlash as plain decoding."""
@@ -124,8 +133,7 @@ def test_an_onnxruntime_engine_stores_each_weight_once_in_the_checkpoint_dtype(h
     from dflash_trt.runtime.session import Session
 
     target, draft = hf_pair
-    out = tmp_path / "ort"
-    build_engine(BuildConfig(out=out, target=target, draft=draft, max_seq_len=128, max_batch_size=2))
+    out = ort_engine
     manifest = read_manifest(out)
     assert manifest.build.dtype == "bfloat16"
     assert {p.name for p in out.rglob("*") if p.is_file()} == {
@@ -154,32 +162,34 @@ def test_an_onnxruntime_engine_stores_each_weight_once_in_the_checkpoint_dtype(h
 
 
 def test_a_linear_too_large_for_onnx_runtime_to_fold_is_computed_in_row_blocks_with_the_same_logits(
-        hf_pair, stories, tmp_path, monkeypatch):
+        ort_engine, tmp_path, monkeypatch):
     """ONNX Runtime folds a weight's Cast/Transpose only under 1 GiB; a larger LM head is split into row blocks of the
-    same stored bytes (forced here with a small limit) and gives the unsplit logits bit for bit."""
+    same stored bytes (forced here with a small limit) and gives the unsplit logits bit for bit: the bfloat16
+    engine's own ``target_step.onnx`` against the same graph exported again, over the same weight file, in blocks."""
     import numpy as np
     import onnx
     import onnxruntime as ort
 
     from dflash_trt.builder import export_onnx
     from dflash_trt.builder.engine import _graph_weights, _hollow_pair
-    from dflash_trt.formats.tensor_stream import TensorSource
 
-    target, _ = hf_pair
+    manifest = read_manifest(ort_engine)
     folder = tmp_path / "onnx"
     folder.mkdir()
-    shutil.copyfile(target / "model.safetensors", folder / "target.safetensors")  # HF names: bound by hand
-    names = {f"model.{k.removeprefix('model.')}": k for k in TensorSource.from_folder(target).specs}
-    names["model.lm_head.weight"] = "model.embed_tokens.weight"
-    weights = export_onnx.stored_tensors(folder / "target.safetensors", "target.safetensors", names)
-    pair = _hollow_pair(stories.target.config, None, None, target, None)
-    limits = export_onnx.GraphLimits(2, 64, 4, export_onnx.OPSET_ONNXRUNTIME)
-    export_onnx.export_step_target(pair.target, (1, 3), folder / "whole.onnx", limits, weights)
+    shutil.copyfile(ort_engine / "onnx" / "target.safetensors", folder / "target.safetensors")
+    shutil.copyfile(ort_engine / "onnx" / "target_step.onnx", folder / "whole.onnx")  # the graph as built
+    pair = _hollow_pair(manifest.target_config, None, None, ort_engine, None)
+    weights, _ = _graph_weights(folder, pair)  # the engine's own binding of graph parameters to stored tensors
+    build = manifest.build
+    limits = export_onnx.GraphLimits(build.max_batch_size, build.max_seq_len, build.block_len, build.opset)
     monkeypatch.setattr(export_onnx, "FOLD_LIMIT_BYTES", 40_000)
-    export_onnx.export_step_target(pair.target, (1, 3), folder / "blocks.onnx", limits, weights)
-    nodes = onnx.load(str(folder / "blocks.onnx"), load_external_data=False).graph.node
-    blocks = [n for n in nodes if n.op_type == "MatMul" and n.name.startswith("model.lm_head.weight.rows")]
-    assert len(blocks) == 7  # 512 rows x 64 bf16 -> float32 blocks of 78 rows
+    export_onnx.export_step_target(pair.target, manifest.dflash.target_layer_ids, folder / "blocks.onnx", limits,
+                                   weights)
+    blocks = {}
+    for name in ("whole", "blocks"):
+        nodes = onnx.load(str(folder / f"{name}.onnx"), load_external_data=False).graph.node
+        blocks[name] = [n for n in nodes if n.op_type == "MatMul" and n.name.startswith("model.lm_head.weight.rows")]
+    assert len(blocks["whole"]) == 0 and len(blocks["blocks"]) == 7  # 512 rows x 64 bf16 -> float32 blocks of 78 rows
     logits = {}
     for name in ("whole", "blocks"):
         session = ort.InferenceSession(str(folder / f"{name}.onnx"), providers=["CPUExecutionProvider"])

@@ -30,12 +30,10 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plugin_graph(engine, tmp_path_factory):
-    from dflash_trt.builder.export_onnx import GraphLimits, export_draft
-
-    pair = Session.load(engine, "torch").pair
-    path = tmp_path_factory.getbasetemp() / "draft_plugin.onnx"
-    return export_draft(pair.draft, pair.target, path, GraphLimits(1, 512, 4), plugin=True)
+def plugin_engine(tmp_path_factory):
+    """The same pair built with the plugin-node drafter graph (``draft_plugin.onnx``): the engine
+    ``tests/builder/test_export_onnx.py`` inspects, built once per test session."""
+    return built_engine(tmp_path_factory.getbasetemp(), "ort-plugin", backend="onnxruntime", drafter_graph="plugin")
 
 
 PROMPTS = ([1, 403, 407, 261, 378, 14, 7], [1, 300, 301], [1, 270, 280, 290, 300, 310, 320, 330, 340], [1, 5])
@@ -76,20 +74,22 @@ def full_attention_engines(tmp_path_factory):
 
 @pytest.mark.parametrize("variant", ["sliding", "plugin", "full", "full causal"])
 @pytest.mark.parametrize("slots", [(0,), (0, 1, 2, 3), (1, 3)], ids=["alone", "contiguous", "gathered"])
-def test_backend_calls_match_torch(engine, plugin_graph, full_attention_engines, variant, slots):
+def test_backend_calls_match_torch(engine, plugin_engine, full_attention_engines, variant, slots):
     """Draft graphs: ``draft.onnx`` for a drafter with a sliding layer and for bidirectional and causal drafters with
     full-attention layers only (every drafting row in one call; the latter's engines also hold ``draft_step.onnx``,
-    which serves a call of one row in place), and the plugin-node graph (one row per call)."""
+    which serves a call of one row in place), and the plugin-node graph ``draft_plugin.onnx`` (one row per call)."""
     if variant.startswith("full"):
         engine = full_attention_engines[True if variant.endswith("causal") else None]
-    pair = Session.load(engine, "torch").pair
     plugin = variant == "plugin"
+    if plugin:
+        engine = plugin_engine
+    pair = Session.load(engine, "torch").pair
     graphs = read_manifest(engine).graphs
     assert graphs.one_row_drafter == ("in_place" if variant.startswith("full") else None)
+    assert graphs.drafter == ("plugin" if plugin else "batched")
     ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx",
-                             plugin_graph if plugin else engine / "onnx" / "draft.onnx", 512, max_batch=4,
-                             graphs=graphs.model_copy(update={"drafter": "plugin"}) if plugin else graphs,
-                             draft_step_graph=engine / "onnx" / "draft_step.onnx")
+                             engine / "onnx" / ("draft_plugin.onnx" if plugin else "draft.onnx"), 512, max_batch=4,
+                             graphs=graphs, draft_step_graph=engine / "onnx" / "draft_step.onnx")
     draft_calls, step_calls = [], []
     run = ort_backend._draft.session.run
     ort_backend._draft.session.run = lambda *args: (draft_calls.append(1), run(*args))[1]
