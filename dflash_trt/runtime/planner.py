@@ -22,12 +22,12 @@ session's recent cycles) and the measured costs (``runtime/costs.py``):
    A session whose drafter went bad keeps sampling new requests, and notices when the workload changes.
 4. **Retire.** When the informed prior says plain decoding for this batch, the live requests stop drafting
    for good (their verify forwards stop computing context taps: on a CPU at batch 16 those cost ~10% of a
-   step; an engine's batch-16 steps took 3.9 ms with them, 2.6 ms without). They keep their drafter only on a
-   close call (a measured length within ``MARGIN`` of plain decoding) or for a length priced from the calibrated
-   shape alone and guessed to win by ``GUESS_MARGIN``, whose trial the credit will pay. Both judgements (hopeless, plain for the prior) count every request with a drafter, the retired
-   ones included: judged by its live requests alone, a request joining a batch of retired ones looked hopeless
-   by itself (a wide verify is paid by every row) and retired in turn, so a batch that retired once never
-   drafted again.
+   step; on an engine at batch 16, up to 1.5x a plain request's step). They keep their drafter only on a close call
+   (a measured length within ``MARGIN`` of plain decoding) or for a length priced from the calibrated shape alone
+   and guessed to win by ``GUESS_MARGIN``, whose trial the credit will pay. Both judgements (hopeless, plain for
+   the prior) count every request with a drafter, the retired ones included: judged by its live requests alone, a
+   request joining a batch of retired ones looked hopeless by itself (a wide verify is paid by every row) and
+   retired in turn, so a batch that retired once never drafted again.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ TRIAL_STEPS = 2
 GUESS_MARGIN = 1.25
 """A length priced from the calibrated shape alone (priced low on purpose, so that traffic measures it) keeps the batch
 waiting for the credit to try it only if it is predicted to beat plain decoding by this factor; otherwise the batch
-retires. Waiting is not free: a request keeping its drafter hands over context taps every step (an ONNX Runtime
-engine's batch-16 steps took 3.9 ms instead of 2.6 ms, waiting for a k=7 trial predicted at 1.15x plain that the
-credit never covered; static k=15 measured 0.55x there)."""
+retires. Waiting is not free: a request keeping its drafter hands over context taps every step (on an ONNX Runtime
+engine at batch 16, up to 1.5x a plain request's step, waiting for a k=7 trial predicted at 1.15x plain that the
+credit never covered; static k=15 measured 0.55x there; docs/adaptive.md, "Waiting for a guess")."""
 
 PROBE_ROWS = 4
 """Requests explored in one step at most (those with the least context to take in first): enough to inform the

@@ -126,9 +126,8 @@ def test_exploration_costs_at_most_its_bank_plus_a_fraction_of_the_time_served(u
 def test_requests_retire_on_a_clear_loss_and_on_a_modest_win_that_is_only_a_guess():
     """A clear loss retires, a close call does not; nor does a length predicted to win clearly (``GUESS_MARGIN``) from
     the calibrated shape alone that the credit cannot pay a trial of yet, but a modest guessed win does: keeping the
-    drafter while decoding plainly costs context taps every step, which no price shows (an ONNX Runtime engine's
-    batch-16 steps took 3.9 ms against 2.6 ms, waiting for a k=7 trial guessed at 1.15x that the credit never paid;
-    static drafting measured 0.55x there)."""
+    drafter while decoding plainly costs context taps every step, which no price shows (docs/adaptive.md, "Waiting
+    for a guess")."""
     costs = measured(dict(verify_base=1e-3, verify_per_token=2e-5, draft_base=1e-3, draft_per_token=2e-5))
     planner = AutoPlanner(costs, prior_with([(15, 0)] * 100))
     planner.plan([request()])
