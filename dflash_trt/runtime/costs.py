@@ -4,9 +4,10 @@ scheduler step (sampling, acceptance, bookkeeping), with and without a draft cal
 Two sources, read in this order:
 
 1. **Traffic.** Every forward the scheduler runs is recorded at its point (batch size, tokens per row). A point
-   measured ``_TRUSTED`` times within the last ``_STALE_STEPS`` steps costs the median of its last ``_WINDOW``
-   measurements: one step stalled by a GC pause or a busy core does not move it, and a measurement taken during
-   a burst of load expires instead of pricing that point at the burst's cost for good.
+   measured within the last ``_STALE_STEPS`` steps costs the least of its measurements while it has fewer than
+   ``_TRUSTED``, then the median of its last ``_WINDOW``: one step stalled by a GC pause or a busy core does not
+   move it, and a measurement taken during a burst of load expires instead of pricing that point at the burst's
+   cost for good.
 2. **The shape of the costs** (a short calibration at start-up, ``runtime/calibration.py``, or older traffic):
    interpolated linearly in batch and width, and anchored on what plain decoding costs now. A verify of ``w``
    tokens per row costs the plain step measured lately at its batch size plus what the shape says ``w - 1``
@@ -37,8 +38,8 @@ _WINDOW = 9
 _HISTORY = 4096
 """Measurements per point kept for reports (:meth:`CostModel.breakdown` over a span of traffic)."""
 _TRUSTED = 3
-"""Measurements a point needs within ``_STALE_STEPS`` before its own median is its cost (a first measurement
-is often a cold one: a session's first drafting step took 9 ms outside its forwards, later ones 0.7 ms)."""
+"""Measurements a point needs within ``_STALE_STEPS`` before its own median is its cost; until then, the least of
+them (noise only ever adds time: a session's first drafting step took 9 ms outside its forwards, later ones 0.7 ms)."""
 _LOAD_HISTORY = 64
 """Verifies of one point its usual time is taken over, for :attr:`CostModel.load`."""
 WARMING_STEPS = 12
@@ -46,8 +47,11 @@ WARMING_STEPS = 12
 1 the first ten took 1.4-2.2 ms there, the later ones 0.75-0.85 ms, and three of them priced drafting at a loss
 where it won 1.3x (nothing measured it again until that price expired). A backend without such a warm-up (the policy
 simulator's) passes 0."""
-_STALE_STEPS = 256
-"""Scheduler steps after which a point's measurements expire (it was not measured since)."""
+_STALE_STEPS = 1024
+"""Scheduler steps after which a point's measurements expire (it was not measured since). Forwards are kept over the
+load they ran at, so expiry is not what forgets a burst; it forgets prices the policy stopped testing. At 256 steps,
+two plain requests of 127 tokens between two drafting ones (a benchmark's waves at c=1; mixed traffic) expired
+every drafting price, so each request's drafting was a guess again and it retired."""
 
 
 @dataclass(frozen=True)
@@ -124,12 +128,17 @@ class CostModel:
         if kind == "draft":
             self.last_draft = (batch, width, seconds)
 
-    def record_overhead(self, drafting: bool, batch: int, seconds: float) -> None:
-        """One step's time outside its forwards (one call per scheduler step: it is the policy's step clock)."""
+    def record_overhead(self, drafting: bool, batch: int, seconds: float, took_in_context: bool = False) -> None:
+        """One step's time outside its forwards (one call per scheduler step: it is the policy's step clock). Not kept
+        for a session's warming drafting steps, nor for a drafting step where some row took in a prompt's (or plain
+        steps') context (:attr:`StepReport.took_in_context`): a one-off, and at batch 1 each request's first drafting
+        step is one. Kept, three of them (one per request at c=1) priced steady-state drafting 1 ms a step too dear
+        and retired requests that won 1.4x."""
         self._steps += 1
         self.last_step_warming = drafting and self._drafting_steps < self.warming_steps
         if self.last_step_warming:
             self._drafting_steps += 1
+        if self.last_step_warming or (drafting and took_in_context):
             return
         self._overhead_batches[drafting].add(batch)
         self._measured(("overhead", drafting, batch), seconds)
@@ -223,14 +232,15 @@ class CostModel:
         return plain + max(_clamped(both, batch, lambda b: measured[b] - plains[b]), 0.0)
 
     def _overheads(self, drafting: bool) -> dict[int, float]:
-        """Batch size -> the overhead of steps of this kind measured ``_TRUSTED`` times lately (a session's first
-        drafting step at batch 1 took 9 ms outside its forwards, later ones 0.7 ms: that one alone made drafting look
-        hopeless)."""
+        """Batch size -> the overhead of steps of this kind measured lately (``_own``: the least of the measurements
+        while there are fewer than ``_TRUSTED``). The cold ones are not kept (``record_overhead``); requiring three
+        fresh ones as well left drafting at c=1 unpriced (one kept step per request, and 254 plain steps between
+        two drafting requests in a benchmark's waves), so every request's drafting was a guess and it retired."""
         found = {}
         for batch in self._overhead_batches[drafting]:
-            point = ("overhead", drafting, batch)
-            if len(self._samples[point]) >= _TRUSTED and self._fresh(point):  # a first one is often a cold one
-                found[batch] = self._own(point)
+            own = self._own(("overhead", drafting, batch))
+            if own is not None:
+                found[batch] = own
         return found
 
     def known(self, batch: int, drafting: int, draft_len: int) -> bool:

@@ -22,16 +22,23 @@ session's recent cycles) and the measured costs (``runtime/costs.py``):
    A session whose drafter went bad keeps sampling new requests, and notices when the workload changes.
 4. **Retire.** When the informed prior says plain decoding for this batch, the live requests stop drafting
    for good (their verify forwards stop computing context taps: on a CPU at batch 16 those cost ~10% of a
-   step; on an engine at batch 16, up to 1.5x a plain request's step). They keep their drafter only on a close call
-   (a measured length within ``MARGIN`` of plain decoding) or for a length priced from the calibrated shape alone
-   and guessed to win by ``GUESS_MARGIN``, whose trial the credit will pay. Both judgements (hopeless, plain for
-   the prior) count every request with a drafter, the retired ones included: judged by its live requests alone, a
-   request joining a batch of retired ones looked hopeless by itself (a wide verify is paid by every row) and
-   retired in turn, so a batch that retired once never drafted again.
+   step; on an engine at batch 16, up to 1.5x a plain request's step). They keep their drafter only on a close call:
+   a measured length within ``MARGIN`` of plain decoding. A length priced from the calibrated shape alone is a
+   guess however well it is predicted to do: waiting for the credit to try it cost more than it could win
+   (docs/adaptive.md, "Waiting for a guess"), and a later batch tries it once the credit covers it. Both judgements
+   (hopeless, plain for the prior) count every request with a drafter, the retired ones included: judged by its
+   live requests alone, a request joining a batch of retired ones looked hopeless by itself (a wide verify is paid
+   by every row) and retired in turn, so a batch that retired once never drafted again.
+5. **What happened outranks what is predicted.** Before a batch decodes plainly on a prediction, the planner looks
+   at the tokens per second its drafting and plain steps at this batch size realised lately
+   (:meth:`AutoPlanner.realised_gain`); where drafting clearly won (``CLEAR_WIN``), the batch drafts the best
+   predicted length. At c=1 the prior spans a few stories and the costs a few cold steps, and predictions swung
+   between a loss and a 2x win from one request to the next while static drafting won 1.5x.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from dflash_trt.runtime.costs import CostModel
@@ -60,17 +67,17 @@ step of a small model, 0.6 ms)."""
 TRIAL_STEPS = 2
 """Steps a length whose cost is a guess is tried for once started, whatever they cost the credit."""
 
-GUESS_MARGIN = 1.25
-"""A length priced from the calibrated shape alone (priced low on purpose, so that traffic measures it) keeps the batch
-waiting for the credit to try it only if it is predicted to beat plain decoding by this factor; otherwise the batch
-retires. Waiting is not free: a request keeping its drafter hands over context taps every step (on an ONNX Runtime
-engine at batch 16, up to 1.5x a plain request's step, waiting for a k=7 trial predicted at 1.15x plain that the
-credit never covered; static k=15 measured 0.55x there; docs/adaptive.md, "Waiting for a guess")."""
-
 PROBE_ROWS = 4
 """Requests explored in one step at most (those with the least context to take in first): enough to inform the
 prior in one or two steps; 64 rows taking in 32k-token prompts at once cost ~8 plain steps on the simulated
 H200."""
+
+REALISED_STEPS = 256
+"""Steps of each kind (drafting, plain) per batch size the realised rates are taken over (see ``realised_gain``) ..."""
+
+CLEAR_WIN = 1.2
+"""... and how much faster than plain decoding drafting must have run at a batch size, realised, for the batch to draft
+whatever the prediction says (see :meth:`AutoPlanner.realised_gain`)."""
 
 HOPEFUL_PSEUDO = 4.0
 """Accepted pseudo-cycles per position in the optimistic estimate that gates exploration."""
@@ -115,6 +122,8 @@ class AutoPlanner:
         self._batch: list[RequestMemory] = []  # the requests ``_plan`` was made for (held: ids stay theirs)
         self._age = 0  # steps ``_plan`` has served
         self._trial = 0  # consecutive steps of trying a length whose cost is a guess
+        # (batch size, drafting) -> its last steps' (tokens committed, seconds over the load they ran at)
+        self._realised: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
 
     @property
     def informed(self) -> bool:
@@ -133,14 +142,28 @@ class AutoPlanner:
         plan = self._plan
         if plan is None or self.credit_s is None:
             return
+        batch = len(plan.lengths)
+        steps = self._realised.setdefault((batch, any(plan.lengths)), deque(maxlen=REALISED_STEPS))
+        steps.append((batch + self._accepted, seconds / self.costs.load))
         self.credit_s += EXPLORE_FRACTION * seconds
         if plan.reason in ("explore", "exploit"):  # settled against plain decoding's time for the same tokens
-            batch = len(plan.lengths)
             if self.costs.last_step_warming:
                 drafting = sum(1 for length in plan.lengths if length)
                 seconds = min(seconds, self.costs.step(batch, drafting, max(plan.lengths)))
             self.credit_s -= seconds - plan.plain_step_s * (batch + self._accepted) / batch
         self.credit_s = min(self.credit_s, self.bank_s)
+
+    def realised_gain(self, batch: int) -> float | None:
+        """Tokens per second the session's last ``REALISED_STEPS`` drafting steps at this batch size committed, over
+        its last plain steps' (each step's time over the load it ran at, ``CostModel.load``, so that a burst of load
+        during either kind does not decide); None until both kinds ran that many. Realised, not predicted: every cost
+        of drafting is in it (a request's first draft taking in its prompt, cold steps after a stretch of plain ones),
+        and at c=1 it spans 7-8 requests where the prior's 256 cycles span 2-3 (over 32 steps, one story, it swung
+        between 0.4x and 3.5x in one run)."""
+        drafting, plain = self._realised.get((batch, True)), self._realised.get((batch, False))
+        if not drafting or not plain or min(len(drafting), len(plain)) < REALISED_STEPS:
+            return None
+        return _rate(drafting) / _rate(plain)
 
     def plan(self, requests: list[RequestMemory]) -> Plan:
         """This step's draft length per request."""
@@ -182,6 +205,11 @@ class AutoPlanner:
                 if 0 < self._trial < TRIAL_STEPS or self.credit_s > extra:
                     self._trial += 1
                     return Plan(lengths, "explore", plain_step)
+            gain = self.realised_gain(batch)
+            if gain is not None and gain >= CLEAR_WIN:  # the prediction says plain: what happened says otherwise
+                length = max((k for k in rates if k), key=rates.get)
+                self._trial = 0
+                return Plan([min(length, w) for w in wanted], "exploit", plain_step)
         self._trial = 0
         explored = self._explore(requests, wanted, prior, plain_step)
         if explored is not None:
@@ -197,12 +225,14 @@ class AutoPlanner:
 
     def _loses(self, prior: list[float], capable: list[int]) -> bool:
         """Should the live requests retire? Unless some length is measured to lose to plain decoding by less than
-        ``MARGIN`` (a call that close is not worth retiring on for good), or priced from the calibrated shape alone
-        and predicted to win by ``GUESS_MARGIN``."""
+        ``MARGIN`` (a call that close is not worth retiring on for good). A length whose cost is a guess keeps no
+        drafter: keeping it costs context taps every step, and waiting for the credit to try it cost more than
+        the guess could win (on an ONNX Runtime engine at batch 16, plain steps with drafters 1.73 ms against
+        1.55 ms, for a k=7 trial the credit never covered and that lost: static k=15 measured 0.55x plain there)."""
         batch, drafting = len(capable), sum(1 for w in capable if w)
         _, rates = auto_length(self.costs, [prior] * batch, capable)
-        return not any(rate >= (1 - MARGIN) * rates[0] if self.costs.known(batch, drafting, k)
-                       else rate >= GUESS_MARGIN * rates[0] for k, rate in rates.items() if k)
+        return not any(rate >= (1 - MARGIN) * rates[0] for k, rate in rates.items()
+                       if k and self.costs.known(batch, drafting, k))
 
     def _could_gain(self, batch: int, drafting: int, longest: int, plain_step: float) -> bool:
         """Would any length beat plain decoding at this batch, in steady state, if every draft were accepted?"""
@@ -238,3 +268,8 @@ class AutoPlanner:
         passed, reached = self.prior.passed, self.prior.reached
         return [max((1 + alpha) / 2, (passed[j] + HOPEFUL_PSEUDO) / (reached[j] + HOPEFUL_PSEUDO))
                 for j, alpha in enumerate(prior)]
+
+
+def _rate(steps) -> float:
+    """Tokens per second over ``(tokens, seconds)`` steps."""
+    return sum(tokens for tokens, _ in steps) / sum(seconds for _, seconds in steps)

@@ -207,7 +207,7 @@ class Scheduler:
             self.costs.record("draft", report.draft_rows, report.draft_width, report.draft_s)
         self.costs.record("verify", len(report.rows), report.verify_width, report.verify_s)
         self.costs.record_overhead(bool(report.draft_rows), len(report.rows),
-                                   report.seconds - report.draft_s - report.verify_s)
+                                   report.seconds - report.draft_s - report.verify_s, report.took_in_context)
 
     def observe_acceptance(self, report: StepReport) -> None:
         """Feed each request's rolling acceptance, the session prior and the ``auto`` planner."""

@@ -82,13 +82,9 @@ KNOWN_FAILURES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, wor
     **{(regime, concurrency, "stories_t0"): SHORT_COLD for regime in ("h200-1k", "h200-32k", "compute-bound")
        for concurrency in (4, 16)},
     ("h200-1k", 64, "stories_t0"): SHORT_COLD,
-    ("cpu", 4, "stories_t0"): ("plain decoding is the best fixed choice by a hair (static k=3: 0.95x) and auto "
-                               "drafts k=3 or 7 for part of the run: 0.92-0.94x plain depending on the noise draws; "
-                               "the docs table's cell is at 0.94x the best static"),
     **{(regime, concurrency, "untrained"): SHORT_COLD.replace("this cell passes", "this cell passes (0.93-0.99x)")
        for regime, concurrency in (("h200-1k", 16), ("h200-32k", 16), ("compute-bound", 16), ("h200-1k", 64),
                                    ("h200-32k", 64))},
-    ("h200-32k", 4, "untrained"): SHORT_COLD.replace("this cell passes", "this cell passes (0.97x); here 0.946x"),
     ("h200-32k", 64, "stories_t0"): ("each row's first draft takes in its 32k-token prompt (~8 ms a row on the "
                                      "simulated H200): 64-token runs leave too few steps to repay it; the docs "
                                      "table's cell (128 tokens) is at 0.81x the best fixed choice, not fixed"),

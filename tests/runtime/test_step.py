@@ -139,6 +139,21 @@ def test_auto_speculation_feeds_the_cost_model_and_the_planner_from_the_report()
     assert session._scheduler.prior.drafted == sum(r.stats.num_draft_tokens for r in results)
 
 
+def test_a_requests_first_draft_takes_in_its_prompt_and_the_report_says_so():
+    """The cost model keeps no overhead of a step where a row took in its prompt's context taps (a one-off): the
+    step's report tells it apart from the steady-state steps that follow."""
+    with Session.from_checkpoints() as session:
+        reports = []
+        session._scheduler.subscribe(reports.append)
+        prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her"
+        assert len(session.encode(prompt)) > session.default_block_len  # more context than a block
+        session.generate(prompt, SamplingParams(max_new_tokens=40, stop_token_ids=()))
+    drafting = [r for r in reports if r.draft_rows]
+    assert drafting[0].took_in_context and drafting[0].draft_width > drafting[0].verify_width
+    steady = [r for r in drafting[1:] if r.verify_width == session.default_block_len]  # full blocks
+    assert len(steady) >= 2 and not any(r.took_in_context for r in steady)
+
+
 def test_a_sampled_request_on_non_finite_logits_fails_alone_with_the_reason():
     """Target logits of NaN: the sampled request cannot draw and fails with NumericalError at its first token
     (flagged on the device, read in the prefill's one transfer); a greedy request of the same batch runs on."""

@@ -1,0 +1,89 @@
+"""Why the ``auto`` policy decided what it did, in a real benchmark run (docs/adaptive.md, "What happened at c=1").
+
+Runs ``dflash-trt bench`` with the given arguments, and records, for the adaptive session only:
+
+- every decision of its planner (``--decisions FILE``, a TSV): batch size, reason, draft length, requests retired,
+  requests still drafting, the prior's E(15), each candidate length's predicted rate over plain decoding (``?``:
+  its cost is a guess), the exploration credit, and the realised gain (``AutoPlanner.realised_gain``);
+- every drafting step's time outside its forwards, split by whether a row took in context (a request's first draft).
+
+Then prints per batch size how many decisions had each outcome (a decision holds up to 8 steps while the batch is
+unchanged) and the median overheads::
+
+    OMP_NUM_THREADS=1 python tools/auto_trace.py --decisions /tmp/decisions.tsv -- --engine /tmp/eng_final \\
+        --datasets tinystories_prefixes --num-prompts 32 --concurrency 1,16 --repeats 3 --no-peers --out /tmp/trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import Counter
+
+from dflash_trt.runtime import planner, scheduler
+from dflash_trt.runtime.policy import auto_length, expected_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decisions", required=True, help="TSV file the decisions are written to")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `dflash-trt bench`")
+    args = parser.parse_args()
+    bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    decisions: list[tuple] = []
+    overheads: dict[bool, list[float]] = {True: [], False: []}
+    decide, record_costs = planner.AutoPlanner._decide, scheduler.Scheduler.record_costs
+
+    def traced_decide(self, requests):
+        plan = decide(self, requests)
+        batch, live = len(requests), [r for r in requests if not r.retired and r.wanted]
+        rates, e15 = "", ""
+        if live and self.informed:
+            prior = self.prior.conditional()
+            _, predicted = auto_length(self.costs, [prior] * batch, [r.wanted for r in requests])
+            rates = " ".join(f"{k}:{predicted[k] / predicted[0]:.2f}{'' if self.costs.known(batch, len(live), k) else '?'}"
+                             for k in sorted(predicted) if k)
+            e15 = f"{expected_tokens(prior, 15):.2f}"
+        decisions.append((batch, plan.reason, max(plan.lengths), sum(r.retired for r in requests), len(live), e15,
+                          rates, f"{(self.credit_s or 0) * 1e3:.2f}", self.realised_gain(batch)))
+        return plan
+
+    def traced_record_costs(self, report):
+        record_costs(self, report)
+        if report.draft_rows and self.speculation.mode == "auto":  # the static session measures its costs too
+            overheads[report.took_in_context].append(report.seconds - report.draft_s - report.verify_s)
+
+    planner.AutoPlanner._decide = traced_decide  # only auto sessions plan and record costs from every step
+    scheduler.Scheduler.record_costs = traced_record_costs
+    from dflash_trt.cli import main as cli
+
+    try:
+        cli(["bench", *bench_args], standalone_mode=False)
+    finally:
+        with open(args.decisions, "w") as out:
+            out.write("batch\treason\tlength\tretired\tlive\tE15\trates\tcredit_ms\trealised_gain\n")
+            for row in decisions:
+                out.write("\t".join("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+                                    for v in row) + "\n")
+        summarise(decisions, overheads)
+
+
+def summarise(decisions: list[tuple], overheads: dict[bool, list[float]]) -> None:
+    """Per batch size: decisions by reason (``retired``: every request retired, ``waiting``: plain decoding while
+    some request keeps its drafter), and the median drafting-step overheads."""
+    for batch in sorted({row[0] for row in decisions}):
+        rows = [row for row in decisions if row[0] == batch]
+        kinds = Counter("retired" if row[3] and not row[4] else "no drafter" if not row[4]
+                        else "waiting" if row[1] == "plain" else row[1] for row in rows)
+        print(f"batch {batch}: {len(rows)} decisions: " + ", ".join(f"{n} {k}" for k, n in kinds.most_common()))
+    for took_in_context, seconds in overheads.items():
+        if seconds:
+            label = "took in context" if took_in_context else "steady"
+            print(f"drafting steps, {label}: {len(seconds)}, median {statistics.median(seconds) * 1e3:.2f} ms "
+                  f"outside the forwards")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
