@@ -132,8 +132,8 @@ class CostModel:
         """One step's time outside its forwards (one call per scheduler step: it is the policy's step clock). Not kept
         for a session's warming drafting steps, nor for a drafting step where some row took in a prompt's (or plain
         steps') context (:attr:`StepReport.took_in_context`): a one-off, and at batch 1 each request's first drafting
-        step is one. Kept, three of them (one per request at c=1) priced steady-state drafting 1 ms a step too dear
-        and retired requests that won 1.4x."""
+        step is one. Kept, they priced steady-state drafting at c=1 too dear and requests retired where static
+        drafting won 1.4-1.6x (docs/adaptive.md, "What happened at c=1")."""
         self._steps += 1
         self.last_step_warming = drafting and self._drafting_steps < self.warming_steps
         if self.last_step_warming:
