@@ -1,10 +1,13 @@
-"""Why the ``auto`` policy decided what it did, in a real benchmark run (docs/adaptive.md, "What happened at c=1").
+"""Why the ``auto`` policy decided what it did, in a real benchmark run or server (docs/adaptive.md, "What happened
+at c=1" and "The server at c=1").
 
-Runs ``dflash-trt bench`` with the given arguments, and records, for the adaptive session only:
+Runs ``dflash-trt bench`` (or ``dflash-trt serve``, when the arguments after ``--`` start with ``serve``) with the
+given arguments, and records, for the adaptive session only:
 
 - every decision of its planner (``--decisions FILE``, a TSV): batch size, reason, draft length, requests retired,
   requests still drafting, the prior's E(15), each candidate length's predicted rate over plain decoding (``?``:
-  its cost is a guess), the exploration credit, and the realised gain (``AutoPlanner.realised_gain``);
+  its cost is a guess), the predicted plain step (ms), the exploration credit, and the realised gain
+  (``AutoPlanner.realised_gain``);
 - every drafting step's time outside its forwards, split by whether a row took in context (a request's first draft).
 
 Then prints per batch size how many decisions had each outcome (a decision holds up to 8 steps while the batch is
@@ -12,6 +15,10 @@ unchanged) and the median overheads::
 
     OMP_NUM_THREADS=1 python tools/auto_trace.py --decisions /tmp/decisions.tsv -- --engine /tmp/eng_final \\
         --datasets tinystories_prefixes --num-prompts 32 --concurrency 1,16 --repeats 3 --no-peers --out /tmp/trace
+
+A server writes its file when it stops (Ctrl-C, or ``kill -INT``)::
+
+    OMP_NUM_THREADS=1 python tools/auto_trace.py --decisions /tmp/server.tsv -- serve --port 8002 --speculation auto
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ def main() -> None:
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `dflash-trt bench`")
     args = parser.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    command = "serve" if bench_args[:1] == ["serve"] else "bench"
+    bench_args = bench_args[1:] if command == "serve" else bench_args
     decisions: list[tuple] = []
     overheads: dict[bool, list[float]] = {True: [], False: []}
     decide, record_costs = planner.AutoPlanner._decide, scheduler.Scheduler.record_costs
@@ -46,7 +55,8 @@ def main() -> None:
                              for k in sorted(predicted) if k)
             e15 = f"{expected_tokens(prior, 15):.2f}"
         decisions.append((batch, plan.reason, max(plan.lengths), sum(r.retired for r in requests), len(live), e15,
-                          rates, f"{(self.credit_s or 0) * 1e3:.2f}", self.realised_gain(batch)))
+                          rates, f"{plan.plain_step_s * 1e3:.2f}", f"{(self.credit_s or 0) * 1e3:.2f}",
+                          self.realised_gain(batch)))
         return plan
 
     def traced_record_costs(self, report):
@@ -59,10 +69,10 @@ def main() -> None:
     from dflash_trt.cli import main as cli
 
     try:
-        cli(["bench", *bench_args], standalone_mode=False)
+        cli([command, *bench_args], standalone_mode=False)
     finally:
         with open(args.decisions, "w") as out:
-            out.write("batch\treason\tlength\tretired\tlive\tE15\trates\tcredit_ms\trealised_gain\n")
+            out.write("batch\treason\tlength\tretired\tlive\tE15\trates\tplain_step_ms\tcredit_ms\trealised_gain\n")
             for row in decisions:
                 out.write("\t".join("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
                                     for v in row) + "\n")

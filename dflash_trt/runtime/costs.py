@@ -122,8 +122,15 @@ class CostModel:
         self.calibrated[kind][(batch, width)] = seconds
 
     def record(self, kind: str, batch: int, width: int, seconds: float) -> None:
-        """One forward measured in traffic."""
-        self.table[kind][(batch, width)] = self._measured((kind, batch, width), seconds)
+        """One forward measured in traffic. While the session warms (``warming_steps``), a point's first forward is
+        a warm-up and prices nothing, as calibration's first call at each point (``runtime/calibration.py``): the
+        first step of an OpenAI server's worker, a plain verify at batch 1, took 15.5 ms where later ones took ~3 ms,
+        and since that server only drafted, nothing measured plain decoding again: every drafting length looked a 2-4x
+        win over a plain step priced 5x too dear, and the one whose verify was priced on it least (k=3) was chosen
+        over k=15 for a thousand steps (docs/adaptive.md, "The server at c=1")."""
+        estimate = self._measured((kind, batch, width), seconds)
+        if estimate is not None:
+            self.table[kind][(batch, width)] = estimate
         self._batches.setdefault((kind, width), set()).add(batch)
         if kind == "draft":
             self.last_draft = (batch, width, seconds)
@@ -143,10 +150,14 @@ class CostModel:
         self._overhead_batches[drafting].add(batch)
         self._measured(("overhead", drafting, batch), seconds)
 
-    def _measured(self, point: tuple, seconds: float) -> float:
+    def _measured(self, point: tuple, seconds: float) -> float | None:
         """Keep one measurement; return the point's estimate. A plain verify is kept as measured and tells how
         loaded the machine is now (:attr:`load`); any other forward is kept over the load it ran at, so that
         what drafting costs and what plain decoding costs compare at the same load, whenever each was measured."""
+        self._history.setdefault(point, deque(maxlen=_HISTORY)).append(seconds)
+        self._counts[point] = self._counts.get(point, 0) + 1
+        if self._counts[point] == 1 and self.warming_steps and point[0] != "overhead":
+            return self._own(point)  # a warm-up (see :meth:`record`)
         samples = self._samples.setdefault(point, deque(maxlen=_WINDOW))
         if not self._fresh(point):
             samples.clear()  # expired: its old measurements do not come back with it
@@ -162,8 +173,6 @@ class CostModel:
                 self._plain_load[point[1]] = self.load
         samples.append(seconds if plain or point[0] == "overhead" else seconds / self.load)
         self._last[point] = self._steps
-        self._history.setdefault(point, deque(maxlen=_HISTORY)).append(seconds)
-        self._counts[point] = self._counts.get(point, 0) + 1
         return self._own(point)
 
     def _fresh(self, point: tuple) -> bool:

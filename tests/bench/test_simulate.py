@@ -130,7 +130,7 @@ def test_a_finished_request_cannot_lend_its_id_and_its_plan_to_a_new_one():
     from dflash_trt.runtime.planner import AutoPlanner, RequestMemory
     from dflash_trt.runtime.policy import AcceptanceTracker
 
-    planner = AutoPlanner(simulate.CostModel(), AcceptanceTracker(256, 64))
+    planner = AutoPlanner(simulate.CostModel(warming_steps=0), AcceptanceTracker(256, 64))
     planner.costs.record("verify", 1, 1, 1e-3)
     first = RequestMemory(0, AcceptanceTracker(16, 1))
     held = weakref.ref(first)

@@ -36,6 +36,25 @@ def test_a_sessions_first_drafting_steps_are_warming_and_their_overheads_are_not
     assert costs.overhead(True, 1) == pytest.approx(6e-4)
 
 
+def test_while_a_session_warms_a_points_first_forward_is_a_warm_up_that_prices_nothing():
+    """An OpenAI server's first step, a plain verify at batch 1, took 15.5 ms where later ones took ~3 ms; kept, it
+    priced plain decoding for the next thousand steps of a server that only drafted. Calibration discards its first
+    call at each point for the same reason; a backend without a warm-up (``warming_steps=0``) keeps it."""
+    warming, cold_kept = CostModel(), grid()
+    warming.calibrate("verify", 1, 1, 3e-3)
+    warming.calibrate("verify", 1, 16, 4e-3)
+    warming.calibrate("draft", 1, 16, 5e-3)
+    for costs in (warming, cold_kept):
+        costs.record("verify", 1, 1, 15.5e-3)
+    assert warming.verify(1, 1) == pytest.approx(3e-3)  # still the calibration's
+    assert not warming.known(1, 0, 0)
+    assert cold_kept.verify(1, 1) == pytest.approx(15.5e-3)
+    warming.record("verify", 1, 1, 3.2e-3)
+    assert warming.verify(1, 1) == pytest.approx(3.2e-3) and warming.known(1, 0, 0)
+    warming.record("draft", 1, 16, 9e-3)  # every point warms once, the first of each kind and shape
+    assert warming.draft(1, 16) == pytest.approx(5e-3)
+
+
 def test_one_stalled_step_does_not_move_the_estimate():
     costs = grid()
     for _ in range(6):
