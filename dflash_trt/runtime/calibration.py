@@ -127,8 +127,7 @@ def calibrate(backend: Backend, costs: CostModel, has_drafter: bool, block_len: 
             run = partial(backend.target_batch, [TargetRow(slot, [0] * width, context) for slot in range(batch)],
                           has_drafter)
         else:  # a DFlash2 drafter's draft call includes its selector walk (what the step calls)
-            draft = backend.propose_batch if getattr(config, "architecture", None) == "dflash2" else backend.draft_batch
-            run = partial(draft, [DraftRow(slot, [0] * width, torch.zeros(taps, taps_width, dtype=dtype,
+            run = partial(draft_call, [DraftRow(slot, [0] * width, torch.zeros(taps, taps_width, dtype=dtype,
                                                                            device=device), context)
                                   for slot in range(batch)])
         costs.calibrate(kind, batch, width, _timed(run, restore, clock, deadline))

@@ -86,12 +86,12 @@ def open_session(path: Path, quant_mode: str = "none", small_model: bool = False
     from dflash_trt.plugins.onnx_nodes import plugin_nodes, to_ort_domain
 
     options = _session_options(quant_mode, small_model)
-    model = onnx.load(str(path), load_external_data=False)
-    if plugin_nodes(model):
+    has_plugin = bool(plugin_nodes(onnx.load(str(path), load_external_data=False)))
+    if has_plugin:
         from dflash_trt.plugins.onnxruntime.ops import register
 
         options.register_custom_ops_library(register())
-    source = to_ort_domain(onnx.load(str(path))).SerializeToString() if plugin_nodes(model) else str(path)
+    source = to_ort_domain(onnx.load(str(path))).SerializeToString() if has_plugin else str(path)
     with denormals_flushed():  # creating a session with set_denormal_as_zero sets the calling thread's mode too
         return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
