@@ -46,7 +46,7 @@ WARMING_STEPS = 12
 """A session's first drafting steps, whose time outside the forwards is not kept: on an ONNX Runtime engine at batch
 1 the first ten took 1.4-2.2 ms there, the later ones 0.75-0.85 ms, and three of them priced drafting at a loss
 where it won 1.3x (nothing measured it again until that price expired). A backend without such a warm-up (the policy
-simulator's) passes 0."""
+simulator's) passes 0, which also keeps each point's first forward in traffic (a warm-up otherwise: ``record``)."""
 _STALE_STEPS = 1024
 """Scheduler steps after which a point's measurements expire (it was not measured since). Forwards are kept over the
 load they ran at, so expiry is not what forgets a burst; it forgets prices the policy stopped testing. At 256 steps,
@@ -95,7 +95,9 @@ class CostModel:
     """Seconds per forward, keyed by (batch size, tokens per row), and per step outside the forwards."""
 
     def __init__(self, warming_steps: int = WARMING_STEPS) -> None:
-        self.warming_steps = warming_steps  # first drafting steps whose overheads are not kept (see WARMING_STEPS)
+        # first drafting steps whose overheads are not kept (see WARMING_STEPS); 0 also keeps each point's first
+        # forward, which is otherwise a warm-up (see record)
+        self.warming_steps = warming_steps
         self.calibrated: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}  # the shape
         self.table: dict[str, dict[tuple[int, int], float]] = {"verify": {}, "draft": {}}  # latest online estimate
         self._steps = 0  # scheduler steps measured (one overhead each)
@@ -122,12 +124,13 @@ class CostModel:
         self.calibrated[kind][(batch, width)] = seconds
 
     def record(self, kind: str, batch: int, width: int, seconds: float) -> None:
-        """One forward measured in traffic. While the session warms (``warming_steps``), a point's first forward is
-        a warm-up and prices nothing, as calibration's first call at each point (``runtime/calibration.py``): the
-        first step of an OpenAI server's worker, a plain verify at batch 1, took 15.5 ms where later ones took ~3 ms,
-        and since that server only drafted, nothing measured plain decoding again: every drafting length looked a 2-4x
-        win over a plain step priced 5x too dear, and the one whose verify was priced on it least (k=3) was chosen
-        over k=15 for a thousand steps (docs/adaptive.md, "The server at c=1")."""
+        """One forward measured in traffic. A point's first forward is a warm-up that prices nothing (unless the
+        backend has none: ``warming_steps=0``), as calibration's first call at each point is
+        (``runtime/calibration.py``): the first step of an OpenAI server's worker, a plain verify at batch 1, took
+        15.5 ms where later ones took ~3 ms, and since that server only drafted, nothing measured plain decoding
+        again. Every wide verify not measured yet was priced from that plain step, so k=15 looked dearer than k=3
+        (whose verify traffic had measured), and the server drafted k=3 where k=15 won, for a thousand steps
+        (docs/adaptive.md, "The server at c=1")."""
         estimate = self._measured((kind, batch, width), seconds)
         if estimate is not None:
             self.table[kind][(batch, width)] = estimate

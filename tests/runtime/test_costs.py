@@ -36,7 +36,7 @@ def test_a_sessions_first_drafting_steps_are_warming_and_their_overheads_are_not
     assert costs.overhead(True, 1) == pytest.approx(6e-4)
 
 
-def test_while_a_session_warms_a_points_first_forward_is_a_warm_up_that_prices_nothing():
+def test_a_points_first_forward_in_traffic_is_a_warm_up_that_prices_nothing():
     """An OpenAI server's first step, a plain verify at batch 1, took 15.5 ms where later ones took ~3 ms; kept, it
     priced plain decoding for the next thousand steps of a server that only drafted. Calibration discards its first
     call at each point for the same reason; a backend without a warm-up (``warming_steps=0``) keeps it."""
