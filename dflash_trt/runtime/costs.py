@@ -160,7 +160,7 @@ class CostModel:
         self._history.setdefault(point, deque(maxlen=_HISTORY)).append(seconds)
         self._counts[point] = self._counts.get(point, 0) + 1
         if self._counts[point] == 1 and self.warming_steps and point[0] != "overhead":
-            return self._own(point)  # a warm-up (see :meth:`record`)
+            return None  # a warm-up: the point has no measurement yet (see :meth:`record`)
         samples = self._samples.setdefault(point, deque(maxlen=_WINDOW))
         if not self._fresh(point):
             samples.clear()  # expired: its old measurements do not come back with it
