@@ -41,7 +41,8 @@ def _numbers(text: str, kind, flag: str) -> tuple:
                    "math500, aime24, mt_bench, spec_bench); empty with --prompts to run only your file.")
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Your own requests (.jsonl/.txt).")
 @click.option("--num-prompts", type=int, default=8, show_default=True)
-@click.option("--concurrency", default="1,4", show_default=True, help="Comma-separated concurrency levels.")
+@click.option("--concurrency", default="1,4", show_default=True, help="Comma-separated concurrency levels: requests in flight, the next "
+              "submitted as one ends.")
 @click.option("--block-len", default=None, help="Comma-separated DFlash block lengths (default: the drafter's).")
 @click.option("--temperature", default="0", show_default=True, help="Comma-separated temperatures.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
@@ -56,7 +57,7 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--no-peers", is_flag=True, help="Skip transformers generate() and the dflash reference.")
 @click.option("--no-adaptive", is_flag=True, help="Skip DFlash with the `auto` (cost-model) speculation policy.")
 @click.option("--repeats", type=int, default=1, show_default=True,
-              help="Run each cell's requests this many times (more waves; the report shows the per-wave spread).")
+              help="Run each cell's requests this many times per mode (the report shows the per-pass spread).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for report.json/.md and plots.")
 @click.option("--endpoint", "endpoints", multiple=True, help="Measure a live OpenAI-compatible server at this URL "
@@ -107,8 +108,8 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
                                                             err=True))
     peers, notes = ({}, ["peers disabled (--no-peers)"]) if no_peers else available_peers(
         session.pair.target, session.pair.draft_path, session.pair.target.config.eos_token_ids)
-    # the sessions, weights and peers live through the timed waves: out of the cyclic GC's reach meanwhile (a full
-    # collection scanning them stalled batch-64 steps by 100+ ms), back in once the waves are done
+    # the sessions, weights and peers live through the timed passes: out of the cyclic GC's reach meanwhile (a full
+    # collection scanning them stalled batch-64 steps by 100+ ms), back in once the passes are done
     freeze_loaded_objects()
     try:
         with Progress(transient=True) as bar:

@@ -1,9 +1,11 @@
 """The honest A/B benchmark: plain decoding vs DFlash in the same session, on the same requests.
 
-For every (dataset, temperature, block length, concurrency) cell, one untimed wave per mode warms
-that batch size up; then the requests run in waves of ``concurrency`` (``repeats`` times over);
-each wave runs once per mode, and the mode order alternates (A B, B A, ...) so machine drift and
-cache warmth cancel. Per-wave speed-ups are kept so the report can show their spread (the noise).
+For every (dataset, temperature, block length, concurrency) cell, one untimed batch of ``concurrency``
+short requests per mode warms that batch size up; then each mode runs a *pass* over the requests
+(``repeats`` passes each), ``concurrency`` in flight, the next submitted as soon as one ends: a closed
+loop, as a server is loaded (``bench --endpoint``, ``vllm bench serve --max-concurrency``). The mode order
+alternates pass by pass (A B, B A, ...) so machine drift and cache warmth cancel; per-pass speed-ups are
+kept so the report can show their spread (the noise).
 Peers (transformers ``generate``, the official ``dflash`` reference) run the same prompts
 interleaved at concurrency 1. Warm-up requests are excluded.
 """
@@ -43,14 +45,14 @@ class BenchConfig(BaseModel):
                                       description="Shipped prompt sets to run (see `dflash-trt bench --help`).")
     prompts_file: Path | None = Field(default=None, description="The user's own request set (JSONL or .txt).")
     num_prompts: PositiveInt = Field(default=8, description="Prompts taken from the head of each set.")
-    concurrency: tuple[PositiveInt, ...] = Field(default=(1, 4), description="Concurrent requests per wave.")
+    concurrency: tuple[PositiveInt, ...] = Field(default=(1, 4), description="Requests in flight (closed loop).")
     block_lens: tuple[PositiveInt, ...] | None = Field(default=None, description="DFlash block lengths; None = the "
                                                                                  "drafter's trained block size.")
     temperatures: tuple[float, ...] = Field(default=(0.0,), description="Sampling temperatures (0 = greedy).")
     max_new_tokens: PositiveInt = Field(default=128, description="Tokens generated per request.")
     warmup: NonNegativeInt = Field(default=2, description="Untimed requests per mode before measuring.")
-    repeats: PositiveInt = Field(default=1, description="Times each cell's requests are run (more waves, so the "
-                                                         "spread of per-wave speed-ups shows the noise).")
+    repeats: PositiveInt = Field(default=1, description="Passes over each cell's requests per mode (the "
+                                                         "spread of per-pass speed-ups shows the noise).")
     seed: int = Field(default=0, description="Base seed; request i uses seed + i.")
     gpu_hour_cost: PositiveFloat | None = Field(default=None, description="USD per machine-hour for cost/1k tokens.")
     peers: bool = Field(default=True, description="Also time transformers generate() and the dflash reference.")
@@ -69,10 +71,10 @@ class CellResult:
     concurrency: int
     timings: dict[str, list[Timing]] = field(default_factory=dict)
     walls: dict[str, float] = field(default_factory=dict)
-    wave_rates: dict[str, list[float]] = field(default_factory=dict)  # output tokens/s of each wave, per mode
+    pass_rates: dict[str, list[float]] = field(default_factory=dict)  # output tokens/s of each pass, per mode
     prompts: list[Prompt] = field(default_factory=list)
     skipped: int = 0  # prompts of the set that do not fit the context with max_new_tokens: passed over, never cut
-    costs: StepCosts | None = None  # the session's forward costs at this concurrency after the cell's waves
+    costs: StepCosts | None = None  # the session's forward costs at this concurrency after the cell's passes
 
     def key(self) -> str:
         return f"{self.dataset}|T={self.temperature:g}|B={self.block_len}|c={self.concurrency}"
@@ -85,41 +87,37 @@ def load_prompt_sets(config: BenchConfig) -> list[PromptSet]:
     return sets
 
 
-def _run_wave(runner: Runner, wave: list[tuple[list[int], SamplingParams]]) -> tuple[list[Timing], float]:
-    """Submit every request of the wave at once; return their timings and the wave's wall time, which ends
-    when the last token arrived (client-side work after that, e.g. reading chunks back, is not the runtime's)."""
+def _run_pass(runner: Runner, requests: list[tuple[list[int], SamplingParams]],
+              concurrency: int) -> tuple[list[Timing], float]:
+    """Run every request with ``concurrency`` in flight, the next submitted as soon as one ends (a closed loop, as
+    ``bench --endpoint`` and ``vllm bench serve --max-concurrency`` load a server); return the timings in request
+    order and the wall time from the first submission to the last token (client-side work after that, e.g. reading
+    chunks back, is not the runtime's)."""
     began = time.perf_counter()
-    if hasattr(runner, "run_wave"):  # our runtime batches a wave itself
-        timings = runner.run_wave(wave, began)
-    elif len(wave) == 1:
-        ids, params = wave[0]
-        timings = [runner(ids, params, began)]
+    if hasattr(runner, "run_closed_loop"):  # our runtime keeps the batch full itself, from one client thread
+        timings = runner.run_closed_loop(requests, concurrency)
     else:
-        with ThreadPoolExecutor(max_workers=len(wave)) as pool:
-            futures = [pool.submit(runner, ids, params, began) for ids, params in wave]
-            timings = [f.result() for f in futures]
-    return timings, max(t.e2e_s for t in timings)
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            timings = list(pool.map(lambda request: runner(*request, time.perf_counter()), requests))
+    return timings, max(t.submitted_at + t.e2e_s for t in timings) - began
 
 
 def run_cell(runners: dict[str, Runner], requests: list[tuple[list[int], SamplingParams]], concurrency: int,
              cell: CellResult, repeats: int = 1) -> None:
-    """Warm every runner up with one untimed wave at this concurrency, then run ``requests`` (``repeats``
-    times) in waves through every runner, alternating the order of modes each wave."""
+    """Warm every runner up with one untimed batch of ``concurrency`` short requests, then run ``requests``
+    ``repeats`` times through every runner, one pass per mode, alternating the order of modes each pass."""
     names = list(runners)
     warm = [(ids, params.model_copy(update={"max_new_tokens": min(16, params.max_new_tokens)}))
             for ids, params in requests[:concurrency]]
     for name in names:
-        _run_wave(runners[name], warm)
-        cell.timings[name], cell.walls[name], cell.wave_rates[name] = [], 0.0, []
-    starts = [start for _ in range(repeats) for start in range(0, len(requests), concurrency)]
-    for number, start in enumerate(starts):
-        wave = requests[start:start + concurrency]
-        order = names if number % 2 == 0 else names[::-1]
-        for name in order:
-            timings, wall = _run_wave(runners[name], wave)
+        _run_pass(runners[name], warm, concurrency)
+        cell.timings[name], cell.walls[name], cell.pass_rates[name] = [], 0.0, []
+    for number in range(repeats):
+        for name in (names if number % 2 == 0 else names[::-1]):
+            timings, wall = _run_pass(runners[name], requests, concurrency)
             cell.timings[name] += timings
             cell.walls[name] += wall
-            cell.wave_rates[name].append(sum(len(t.token_ids) for t in timings) / wall)
+            cell.pass_rates[name].append(sum(len(t.token_ids) for t in timings) / wall)
 
 
 def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callable[[int], Runner]] | None = None,
@@ -128,7 +126,7 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
     """Every cell of the config; ``progress(label, done, total)`` is called after each cell.
 
     ``session`` runs plain decoding and static DFlash; ``adaptive`` (same weights, ``auto`` policy)
-    runs adaptive DFlash. Both need ``max_batch >= max(concurrency)`` to batch the waves.
+    runs adaptive DFlash. Both need ``max_batch >= max(concurrency)`` to batch the passes.
     """
     prompt_sets = load_prompt_sets(config)
     session.measure_costs()  # each cell reports where its steps' time went (``_step_costs``)
@@ -182,7 +180,7 @@ def context_needed(prompt_sets: list[PromptSet], encode: Callable[[str], list[in
 
 def _step_costs(session: Session, concurrency: int, block_len: int, mark: dict) -> StepCosts | None:
     """This cell's forward costs at its concurrency: the mean of every forward of each kind the session measured
-    during the cell (``runtime/costs.py``; warm-up wave included). None without drafting."""
+    during the cell (``runtime/costs.py``; warm-up batch included). None without drafting."""
     if block_len < 2:
         return None
     try:
@@ -202,7 +200,7 @@ def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
         "speedup_throughput": dflash["output_tokens_per_s"] / ar["output_tokens_per_s"],
         "speedup_tpot": (ar["tpot_s"]["p50"] / dflash["tpot_s"]["p50"]) if dflash["tpot_s"]["p50"] else 0.0,
     }
-    summary["speedup_throughput_waves"] = _wave_spread(cell, DFLASH)
+    summary["speedup_throughput_passes"] = _pass_spread(cell, DFLASH)
     acceptance = dflash.get("acceptance")
     if cell.costs is not None and acceptance:
         summary["forward_costs"] = cell.costs.to_dict()
@@ -210,7 +208,7 @@ def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
     if DFLASH_AUTO in modes:
         summary["speedup_auto"] = (modes[DFLASH_AUTO]["output_tokens_per_s"]
                                    / modes[BASELINE[DFLASH_AUTO]]["output_tokens_per_s"])
-        summary["speedup_auto_waves"] = _wave_spread(cell, DFLASH_AUTO)
+        summary["speedup_auto_passes"] = _pass_spread(cell, DFLASH_AUTO)
     if cell.temperature == 0:
         reference = [t.token_ids for t in cell.timings[AR]]
         summary["identical_to_ar"] = {name: [t.token_ids for t in timings] == reference
@@ -218,10 +216,10 @@ def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
     return summary
 
 
-def _wave_spread(cell: CellResult, mode: str) -> dict[str, float] | None:
-    """Min / median / max over waves of (mode's tokens/s ÷ plain decoding's in the same session, same wave)."""
-    baseline = cell.wave_rates.get(BASELINE[mode], [])
-    ratios = sorted(m / a for m, a in zip(cell.wave_rates.get(mode, []), baseline))
+def _pass_spread(cell: CellResult, mode: str) -> dict[str, float] | None:
+    """Min / median / max over passes of (mode's tokens/s ÷ plain decoding's in the same session, same repeat)."""
+    baseline = cell.pass_rates.get(BASELINE[mode], [])
+    ratios = sorted(m / a for m, a in zip(cell.pass_rates.get(mode, []), baseline))
     if not ratios:
         return None
-    return {"min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1], "waves": len(ratios)}
+    return {"min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1], "passes": len(ratios)}

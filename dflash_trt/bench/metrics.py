@@ -31,7 +31,7 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
 def summarize(timings: Sequence[Timing], wall_s: float, cost_per_hour: float | None) -> dict[str, Any]:
     """Latency distributions, throughput and acceptance for one mode on one request set.
 
-    ``wall_s`` is the summed wall time of the waves this mode ran (decode + prefill), so
+    ``wall_s`` is the summed wall time of the passes this mode ran (decode + prefill), so
     ``output_tokens_per_s`` is the total throughput at the benchmark's concurrency.
     """
     tokens = sum(len(t.token_ids) for t in timings)

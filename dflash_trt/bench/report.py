@@ -122,15 +122,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{hw['cpu_count']} cores, torch threads {hw['torch_threads']}), GPU: {hw['gpu'] or 'none'}",
         "- packages: " + ", ".join(f"{k} {v}" for k, v in conds["packages"].items()),
         f"- max_new_tokens {conds['config']['max_new_tokens']}, {conds['config']['num_prompts']} prompts per "
-        f"dataset, {conds['config']['repeats']} pass(es) over them, seed {conds['config']['seed']}, warm-up "
-        f"{conds['config']['warmup']} requests and one wave per cell excluded; modes interleaved wave by wave "
+        f"dataset, {conds['config']['repeats']} pass(es) over them per mode, each with the cell's concurrency in flight "
+        f"(closed loop: the next request is submitted as one ends), seed {conds['config']['seed']}, warm-up "
+        f"{conds['config']['warmup']} requests and one batch per cell excluded; modes interleaved pass by pass "
         "(A B, B A, ...)",
         f"- peak RSS {report['peak_rss_mb']:.0f} MB",
         "",
         "Speed-up = a mode's output tokens/s ÷ plain decoding's on the same requests in the same session (`ar` for "
         "`dflash` and the peers; `ar_auto`, plain decoding in the adaptive session, for `dflash_auto`; the `ar_auto` "
-        "row itself shows how much two sessions of one process differ), throughput over the waves from submission "
-        "to the last token, prefill included. TPOT speed-up = median TPOT ratio (the z-lab definition).",
+        "row itself shows how much two sessions of one process differ), throughput over the passes from the first "
+        "submission to the last token, prefill included. TPOT speed-up = median TPOT ratio (the z-lab definition).",
         "",
         "| dataset | T | B | conc. | mode | tok/s total | tok/s/user | TTFT p50 ms | TPOT p50 ms | ITL p50 ms | "
         "e2e p50/p95/p99 ms | τ | speed-up | TPOT speed-up | greedy = AR |",
@@ -153,17 +154,18 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f" | {_fmt_ms(e2e['p50'])}/{_fmt_ms(e2e['p95'])}/{_fmt_ms(e2e['p99'])} | {tau} | {speedup:.2f}x | "
                 f"{tpot_speedup:.2f}x | {'–' if same is None else ('yes' if same else 'NO')} |")
     spread = [(cell, name, cell.get(key)) for cell in report["cells"]
-              for name, key in ((DFLASH, "speedup_throughput_waves"), (DFLASH_AUTO, "speedup_auto_waves"))]
-    spread = [(cell, name, waves) for cell, name, waves in spread if waves and waves["waves"] > 1]
+              for name, key in ((DFLASH, "speedup_throughput_passes"), (DFLASH_AUTO, "speedup_auto_passes"))]
+    spread = [(cell, name, passes) for cell, name, passes in spread if passes and passes["passes"] > 1]
     if spread:
-        lines += ["", "## Speed-up per wave (the noise)", "",
-                  "Each wave runs every mode on the same requests back to back; the spread of the per-wave ratios "
+        lines += ["", "## Speed-up per pass (the noise)", "",
+                  "Each repeat runs every mode over the same requests back to back; the spread of the per-pass ratios "
                   "shows how much of a difference is noise.", "",
-                  "| dataset | T | B | conc. | mode | waves | min | median | max |", "|---|---|---|---|---|---|---|---|---|"]
-        for cell, name, waves in spread:
+                  "| dataset | T | B | conc. | mode | passes | min | median | max |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for cell, name, passes in spread:
             lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} "
-                         f"| {name} | {waves['waves']} | {waves['min']:.2f}x | {waves['median']:.2f}x | "
-                         f"{waves['max']:.2f}x |")
+                         f"| {name} | {passes['passes']} | {passes['min']:.2f}x | {passes['median']:.2f}x | "
+                         f"{passes['max']:.2f}x |")
     costed = [cell for cell in report["cells"] if "forward_costs" in cell]
     if costed:
         lines += ["", "## Where the time goes (DFlash, static block length)", "",
@@ -171,7 +173,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "of each kind at the cell's concurrency, so that stalls count as in the measured throughput): a plain step is a 1-token verify plus its other work "
                   "(sampling, bookkeeping); a cycle is a draft and a verify of k+1 tokens plus its other work. "
                   "Ideal speed-up = τ × plain step ÷ cycle, what these costs allow; the measured one also pays "
-                  "prefill, the batch shrinking at the end of each wave, and scheduling.", "",
+                  "prefill, the batch draining at the end of each pass, and scheduling.", "",
                   "| dataset | T | B | conc. | plain step ms (verify 1 + other) | verify(k+1) ms | draft(k+1) ms | "
                   "other ms | cycle ms | τ | ideal speed-up | measured speed-up |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -227,9 +227,14 @@ class Session:
                                "(--draft DIR) or pass block_len=1 / --no-draft.")
         return block_len
 
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestHandle:
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               on_end: Callable[[], None] | None = None) -> RequestHandle:
         """Queue a request (thread-safe) and return its handle at once: iterate it for ``StreamChunk`` s,
-        ``result()`` for the ``GenerationResult``, ``cancel()`` to stop it. Invalid requests raise here."""
+        ``result()`` for the ``GenerationResult``, ``cancel()`` to stop it. Invalid requests raise here.
+
+        ``on_end`` is called once, from the session's worker, when the request's last item is delivered (it no
+        longer holds a slot; ``result()`` returns after it): a closed-loop client submits its next request then.
+        It must return at once and not raise."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params has type {type(params).__name__}; expected SamplingParams or None. Fix: pass "
@@ -240,7 +245,7 @@ class Session:
                              else self.pair.target.config.eos_token_ids)
         mask_token_id = self.pair.draft.config.mask_token_id if self.pair.draft is not None else 0
         seed = params.seed if params.seed is not None else 0
-        handle = RequestHandle(prompt_ids, params, self.decode_text)
+        handle = RequestHandle(prompt_ids, params, self.decode_text, on_end)
         generator_device = getattr(self.backend, "device", "cpu")
 
         def make_state(slot: int) -> RequestState:
@@ -366,8 +371,9 @@ class RequestHandle:
     Timing (TTFT, end-to-end) is taken when each cycle is handed over by the worker, outside the loop.
     """
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, decode_text) -> None:
-        self.prompt_ids, self.params, self._decode_text = prompt_ids, params, decode_text
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, decode_text,
+                 on_end: Callable[[], None] | None = None) -> None:
+        self.prompt_ids, self.params, self._decode_text, self._on_end = prompt_ids, params, decode_text, on_end
         self.stats = SpecStats(num_prompt_tokens=len(prompt_ids))
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -381,8 +387,12 @@ class RequestHandle:
 
     def _deliver(self, item: Cycle | BaseException | None) -> None:
         self._events.put((time.perf_counter(), item))
-        if item is None or isinstance(item, BaseException) or item.finished:
-            self._ended.set()
+        if (item is None or isinstance(item, BaseException) or item.finished) and not self._ended.is_set():
+            try:
+                if self._on_end is not None:
+                    self._on_end()
+            finally:  # after on_end: a client that waited for the end sees what on_end did
+                self._ended.set()
 
     def cancel(self) -> None:
         """Stop generating; the handle then finishes with ``finish_reason == "cancelled"``."""

@@ -1,12 +1,13 @@
-"""The A/B benchmark harness (bench/harness.py, bench/report.py): order of modes, warm-up, repeats, the
-per-wave spread, and a small end-to-end run on the embedded pair whose DFlash outputs equal plain decoding."""
+"""The A/B benchmark harness (bench/harness.py, bench/runners.py, bench/report.py): order of modes, warm-up, repeats,
+the closed loop that keeps ``concurrency`` requests in flight, the per-pass spread, and a small end-to-end run on the
+embedded pair whose DFlash outputs equal plain decoding."""
 
 from __future__ import annotations
 
 from dflash_trt.bench.harness import AR, AR_AUTO, DFLASH, DFLASH_AUTO, BenchConfig, CellResult, cell_summary, \
     run_benchmark, run_cell
 from dflash_trt.bench.report import build_report, conditions, cost_line, render_markdown, write_report
-from dflash_trt.bench.runners import Timing
+from dflash_trt.bench.runners import SessionRunner, Timing
 from dflash_trt.config import SamplingParams
 from dflash_trt.runtime.policy import SpeculationConfig
 from dflash_trt.runtime.session import Session
@@ -22,26 +23,38 @@ class RecordingRunner:
         self.log.append((self.name, prompt_ids[0], params.max_new_tokens))
         return Timing(list(prompt_ids), [0.001], [len(prompt_ids)])
 
-    def run_wave(self, wave, submitted_at: float) -> list[Timing]:
-        return [self(ids, params, submitted_at) for ids, params in wave]
+    def run_closed_loop(self, requests, concurrency: int) -> list[Timing]:
+        return [self(ids, params, 0.0) for ids, params in requests]
 
 
-def test_each_cell_warms_up_then_alternates_the_mode_order_wave_by_wave_over_the_repeats():
+def test_each_cell_warms_up_then_alternates_the_mode_order_pass_by_pass_over_the_repeats():
     log: list[tuple[str, int, int]] = []
     runners = {AR: RecordingRunner(AR, log), DFLASH: RecordingRunner(DFLASH, log)}
     requests = [([index], SamplingParams(max_new_tokens=32)) for index in range(4)]
     cell = CellResult("set", 0.0, 16, concurrency=2)
-    run_cell(runners, requests, 2, cell, repeats=2)
+    run_cell(runners, requests, 2, cell, repeats=3)
     warm, timed = log[:4], log[4:]
-    assert warm == [(AR, 0, 16), (AR, 1, 16), (DFLASH, 0, 16), (DFLASH, 1, 16)]  # one short untimed wave each
-    firsts = [timed[i][0] for i in range(0, len(timed), 2)]  # the mode that ran each half-wave, in order
-    assert firsts == [AR, DFLASH, DFLASH, AR, AR, DFLASH, DFLASH, AR]  # A B, B A, A B, B A
-    assert [entry[1] for entry in timed[::4]] == [0, 2, 0, 2]  # two passes over the requests
-    assert len(cell.timings[AR]) == len(cell.timings[DFLASH]) == 8
-    assert len(cell.wave_rates[AR]) == len(cell.wave_rates[DFLASH]) == 4
+    assert warm == [(AR, 0, 16), (AR, 1, 16), (DFLASH, 0, 16), (DFLASH, 1, 16)]  # one short untimed batch each
+    passes = [timed[i:i + 4] for i in range(0, len(timed), 4)]
+    assert [entries[0][0] for entries in passes] == [AR, DFLASH, DFLASH, AR, AR, DFLASH]  # A B, B A, A B
+    assert all(entries == [(entries[0][0], index, 32) for index in range(4)] for entries in passes)  # every request
+    assert len(cell.timings[AR]) == len(cell.timings[DFLASH]) == 12
+    assert len(cell.pass_rates[AR]) == len(cell.pass_rates[DFLASH]) == 3
 
 
-def test_embedded_pair_bench_is_lossless_and_reports_the_per_wave_spread(tmp_path):
+def test_a_pass_keeps_concurrency_requests_in_flight_and_submits_the_next_as_one_ends():
+    session = Session.from_checkpoints(max_batch=2)
+    stop = SamplingParams(max_new_tokens=40, stop_token_ids=[])  # no early stop: each runs to its length
+    prompt = session.encode("Once upon a time")
+    requests = [(prompt, SamplingParams(max_new_tokens=3, stop_token_ids=[])), (prompt, stop), (prompt, stop)]
+    timings = SessionRunner(session, AR, 1).run_closed_loop(requests, concurrency=2)
+    ends = [t.submitted_at + t.e2e_s for t in timings]
+    assert [len(t.token_ids) for t in timings] == [3, 40, 40]  # in request order
+    assert ends[0] <= timings[2].submitted_at < ends[1]  # the third took the first one's slot as it ended
+    session.close()
+
+
+def test_embedded_pair_bench_is_lossless_and_reports_the_per_pass_spread(tmp_path):
     session = Session.from_checkpoints(max_batch=2)
     adaptive = Session(session.pair, max_batch=2, speculation=SpeculationConfig(mode="auto"))
     config = BenchConfig(datasets=("tinystories",), num_prompts=4, concurrency=(1, 2), max_new_tokens=12,
@@ -51,10 +64,10 @@ def test_embedded_pair_bench_is_lossless_and_reports_the_per_wave_spread(tmp_pat
     for cell in cells:
         summary = cell_summary(cell, config)
         assert summary["identical_to_ar"] == {AR_AUTO: True, DFLASH: True, DFLASH_AUTO: True}
-        assert summary["speedup_auto_waves"]["waves"] == 2 * 4 // cell.concurrency
+        assert summary["speedup_auto_passes"]["passes"] == 2
         modes = summary["modes"]  # dflash_auto is compared with plain decoding in its own session
         assert summary["speedup_auto"] == modes[DFLASH_AUTO]["output_tokens_per_s"] / modes[AR_AUTO]["output_tokens_per_s"]
-        spread = summary["speedup_throughput_waves"]
+        spread = summary["speedup_throughput_passes"]
         assert spread["min"] <= spread["median"] <= spread["max"]
         costs = summary["forward_costs"]  # where the time goes: this cell's forwards, at its concurrency
         assert costs["batch"] == cell.concurrency and costs["draft_len"] == cell.block_len - 1
@@ -65,7 +78,7 @@ def test_embedded_pair_bench_is_lossless_and_reports_the_per_wave_spread(tmp_pat
                    for t in cell.timings[AR])
     report = build_report(cells, config, conditions(session, config, [], [], "dflash-trt bench (test)"))
     markdown = render_markdown(report)
-    assert "## Speed-up per wave (the noise)" in markdown
+    assert "## Speed-up per pass (the noise)" in markdown
     assert "## Where the time goes" in markdown and f"{report['cells'][0]['speedup_ideal']:.2f}x" in markdown
     assert cost_line(report["cells"][0]).endswith(f"measured {report['cells'][0]['speedup_throughput']:.2f}x")
     assert "2 pass(es)" in markdown

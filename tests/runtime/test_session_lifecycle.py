@@ -78,6 +78,24 @@ def test_with_block_closes_the_session_and_a_closed_session_refuses_requests():
     session.close()  # idempotent
 
 
+def test_on_end_is_called_once_from_the_worker_when_a_request_ends_finished_or_cancelled():
+    import threading
+
+    calls: list[tuple[str, bool]] = []
+    with Session.from_checkpoints(max_batch=2) as session:
+        def on_end(name):
+            return lambda: calls.append((name, threading.current_thread() is not threading.main_thread()))
+
+        finished = session.submit(PROMPTS[0], SamplingParams(max_new_tokens=6, block_len=4), on_end=on_end("done"))
+        result = finished.result()
+        assert calls == [("done", True)] and result.finish_reason == "length"  # called before result() returned
+        cancelled = session.submit(PROMPTS[1], SamplingParams(max_new_tokens=500), on_end=on_end("cancelled"))
+        next(iter(cancelled))
+        cancelled.cancel()
+        assert cancelled.result().finish_reason == "cancelled"
+    assert calls == [("done", True), ("cancelled", True)]
+
+
 def test_leaving_stream_early_cancels_the_request():
     session = Session.from_checkpoints(use_draft=False, max_batch=1)
     forwards = []
