@@ -7,7 +7,7 @@ loop, so all modes are timed the same way.
 
 from __future__ import annotations
 
-import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -56,9 +56,11 @@ class Runner(Protocol):
 class SessionRunner:
     """Our runtime; ``block_len=1`` is plain decoding through the same loop (the A/B baseline).
 
-    One client thread keeps ``concurrency`` requests in flight and reads each back once it has ended, each chunk
-    timed by when the worker handed it over (``StreamChunk.arrived_at``): no client thread per request competes
-    with the worker for the interpreter, so concurrency 64 measures the runtime, not 64 Python clients."""
+    A request's slot is refilled by the session's worker itself, as the request ends (``Session.submit``'s
+    ``on_end``), so the next one joins the very next step, and no client thread per request competes with the worker
+    for the interpreter: concurrency 64 measures the runtime, not 64 Python clients (``bench --endpoint`` measures a
+    server with real clients). Chunks are read back afterwards, each timed by when the worker handed it over
+    (``StreamChunk.arrived_at``)."""
 
     def __init__(self, session: Session, name: str, block_len: int) -> None:
         self.session, self.name, self.block_len = session, name, block_len
@@ -70,22 +72,34 @@ class SessionRunner:
                         concurrency: int) -> list[Timing]:
         """Every request, ``concurrency`` in flight: the next is submitted as soon as one ends. Timings in
         request order."""
-        ended: queue.SimpleQueue[int] = queue.SimpleQueue()
-        handles: list[RequestHandle] = []
-        submitted: list[float] = []
+        handles: list[RequestHandle | None] = [None] * len(requests)
+        submitted = [0.0] * len(requests)
+        pending, taking = iter(range(len(requests))), threading.Lock()
+        ended, all_ended, failures = [0], threading.Event(), []
 
-        def submit(index: int) -> None:
-            ids, params = requests[index]
-            submitted.append(time.perf_counter())
-            handles.append(self.session.submit(list(ids), params.model_copy(update={"block_len": self.block_len}),
-                                               on_end=lambda: ended.put(index)))
+        def submit_next() -> None:
+            with taking:  # the first ones are submitted here while the worker may already refill
+                index = next(pending, None)
+            if index is not None:
+                ids, params = requests[index]
+                submitted[index] = time.perf_counter()
+                handles[index] = self.session.submit(list(ids), params.model_copy(update={"block_len": self.block_len}),
+                                                     on_end=refill)
 
-        for index in range(min(concurrency, len(requests))):
-            submit(index)
-        for _ in range(len(requests)):
-            ended.get()
-            if len(handles) < len(requests):
-                submit(len(handles))
+        def refill() -> None:  # from the worker, as a request ends: on_end must not raise
+            try:
+                submit_next()
+            except Exception as error:  # noqa: BLE001 - raised in the client below
+                failures.append(error)
+            ended[0] += 1
+            if ended[0] == len(requests) or failures:
+                all_ended.set()
+
+        for _ in range(min(concurrency, len(requests))):
+            submit_next()
+        all_ended.wait()
+        if failures:
+            raise failures[0]
         return [_timing(handle, began) for handle, began in zip(handles, submitted)]
 
 

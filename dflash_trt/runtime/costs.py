@@ -62,7 +62,7 @@ class StepCosts:
     cycle with ``draft_len`` drafts per row (draft of ``draft_len + 1`` + verify of ``draft_len + 1`` + its
     other work). A cycle commits τ tokens per row (τ includes the bonus), a plain step one, so the speed-up
     these costs imply is ``τ · plain_step / cycle`` (docs/algorithm.md §6): what the forwards allow, before prefill,
-    the batch shrinking at the end of a wave, and scheduling.
+    the batch draining when no request waits, and scheduling.
     """
 
     batch: int

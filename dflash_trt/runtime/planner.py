@@ -135,7 +135,13 @@ class AutoPlanner:
 
     def step_took(self, seconds: float) -> None:
         """The step just run took ``seconds``: it earns ``EXPLORE_FRACTION`` of them, and a drafting step is charged
-        what it cost over plain decoding's time for the tokens it committed (a gain refills the credit). A session's
+        what it cost over plain decoding's time for the tokens it committed (a gain refills the credit). An exploiting
+        step's loss drains the credit to minus the starting bank at most: it is not exploring (its length was measured
+        and predicted to win), and the debt a stretch of hard requests ran up kept a session that then retired them
+        from probing new requests for seconds (~120 ms of debt at 2% of the time served: ~6 s, while static drafting
+        won 1.45x on an ONNX Runtime engine at c=1; docs/adaptive.md, "Exploit losses lock exploration out"). Some
+        debt stays: with none, a session whose drafter loses kept probing each new request (the simulator's CPU at
+        c=1, out of domain: 0.94x plain against 0.98x). A session's
         warming drafting steps (``CostModel.last_step_warming``) are charged at most what the costs predicted: their
         excess is the session's one-off warm-up, which any drafting policy pays, and on a small model the first one
         alone spent the whole starting bank."""
@@ -150,7 +156,10 @@ class AutoPlanner:
             if self.costs.last_step_warming:
                 drafting = sum(1 for length in plan.lengths if length)
                 seconds = min(seconds, self.costs.step(batch, drafting, max(plan.lengths)))
-            self.credit_s -= seconds - plan.plain_step_s * (batch + self._accepted) / batch
+            charge = seconds - plan.plain_step_s * (batch + self._accepted) / batch
+            if plan.reason == "exploit":  # a measured length's loss drains it to minus the bank at most (see above)
+                charge = min(charge, max(self.credit_s + self.bank_s, 0.0))
+            self.credit_s -= charge
         self.credit_s = min(self.credit_s, self.bank_s)
 
     def realised_gain(self, batch: int) -> float | None:

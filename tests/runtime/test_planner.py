@@ -337,3 +337,24 @@ def test_a_warming_drafting_step_is_charged_no_more_than_its_predicted_cost(warm
     plain_equivalent = plan.plain_step_s  # one token committed (nothing accepted)
     expected = (predicted if warming_steps else 10 * predicted) - plain_equivalent
     assert charged == pytest.approx(expected)
+
+
+def test_an_exploiting_steps_loss_leaves_a_debt_of_at_most_the_bank_and_an_explorations_is_charged_in_full():
+    """A measured length predicted to win that then loses (a stretch of hard requests) is not exploring: its loss
+    drains the credit to minus the starting bank at most, so new requests are probed again after a short while (a
+    debt of ~120 ms had kept an engine at c=1 from probing for ~6 s while static drafting won 1.45x). An exploration
+    pays what it cost, however much that is."""
+    exploiting = AutoPlanner(measured(GPU), prior_with([(15, 15)] * INFORMED_CYCLES))
+    batch = [request()]
+    assert exploiting.plan(batch).reason == "exploit"
+    for _ in range(20):
+        exploiting.plan(batch)
+        exploiting.step_took(1.0)  # a second a step and nothing accepted: a heavy loss each time
+    assert exploiting.credit_s == pytest.approx(-exploiting.bank_s)
+    exploring = AutoPlanner(measured(GPU), AcceptanceTracker(256, 64))
+    plan = exploring.plan([request()])
+    assert plan.reason == "explore"
+    bank = exploring.credit_s
+    exploring.step_took(1.0)
+    assert exploring.credit_s == pytest.approx(bank + EXPLORE_FRACTION - (1.0 - plan.plain_step_s))
+    assert exploring.credit_s < -10 * exploring.bank_s
