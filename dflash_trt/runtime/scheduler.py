@@ -174,7 +174,9 @@ class Scheduler:
         entries = {id(entry.state): entry for entry in batch}
         subscribers, timed = list(self.subscribers), self.timed  # as of this step (``subscribe`` may run meanwhile)
         began = self.clock() if timed else 0.0
-        cycles, report = run_step(self.backend, [entry.state for entry in batch], self.draft_lengths(),
+        lengths = self.draft_lengths()
+        planned = self.clock() - began if timed else 0.0
+        cycles, report = run_step(self.backend, [entry.state for entry in batch], lengths,
                                   self._fail_state(entries), self.clock if timed else None)
         for state, cycle in cycles:
             entry = entries[id(state)]
@@ -183,7 +185,7 @@ class Scheduler:
                 self._release(entry)
         if subscribers and report.rows:
             if timed:
-                report = replace(report, seconds=self.clock() - began)
+                report = replace(report, seconds=self.clock() - began, plan_s=planned)
             self._step_entries = entries
             for subscriber in subscribers:
                 self._notify(subscriber, report)
@@ -202,12 +204,17 @@ class Scheduler:
     # ----------------------------------------------------------------- subscribers
 
     def record_costs(self, report: StepReport) -> None:
-        """Feed the cost model: each forward's time at its batch and width, and the rest of the step."""
+        """Feed the cost model: each forward's time at its batch and width, and the rest of the step less its
+        deciding. Deciding is the policy's cost, not drafting's: a plan is reused for up to 8 steps, but an
+        exploring one is made again every step, and kept in, it priced every drafting step at c=1 at 2 ms outside
+        the forwards where steady drafting takes 0.5-0.8 ms on an ONNX Runtime engine, after a stretch where only
+        probes drafted (docs/adaptive.md, "Deciding is not drafting")."""
         if report.draft_rows:
             self.costs.record("draft", report.draft_rows, report.draft_width, report.draft_s)
         self.costs.record("verify", len(report.rows), report.verify_width, report.verify_s)
         self.costs.record_overhead(bool(report.draft_rows), len(report.rows),
-                                   report.seconds - report.draft_s - report.verify_s, report.took_in_context)
+                                   report.seconds - report.plan_s - report.draft_s - report.verify_s,
+                                   report.took_in_context)
 
     def observe_acceptance(self, report: StepReport) -> None:
         """Feed each request's rolling acceptance, the session prior and the ``auto`` planner."""

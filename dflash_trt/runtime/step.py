@@ -44,8 +44,8 @@ from dflash_trt.runtime.verify import DraftProbs, Verdicts, accept_matching, acc
 @dataclass(frozen=True)
 class StepReport:
     """What one step did, for its subscribers (cost model, speculation policy). Times are seconds, measured only
-    when the step was given a clock (0.0 otherwise); ``seconds`` is the whole step's, handing the cycles over
-    included (the scheduler sets it)."""
+    when the step was given a clock (0.0 otherwise); ``seconds`` is the whole step's, deciding the draft lengths and
+    handing the cycles over included, and ``plan_s`` the deciding alone (the scheduler sets both)."""
 
     rows: tuple[RequestState, ...]  # verified rows, in batch order
     drafted: tuple[int, ...]  # per row
@@ -56,6 +56,7 @@ class StepReport:
     seconds: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    plan_s: float = 0.0
 
     @property
     def took_in_context(self) -> bool:

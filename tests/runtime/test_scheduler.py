@@ -173,3 +173,21 @@ def test_a_subscriber_that_raises_is_dropped_and_every_request_still_finishes_un
     assert [r.token_ids for r in results] == [reference.generate([3, i, 7], params).token_ids for i in range(4)]
     assert all(len(r.token_ids) == 24 for r in results)
     assert session.generate([5, 6], params).token_ids == reference.generate([5, 6], params).token_ids
+
+
+def test_a_steps_deciding_is_not_counted_in_its_time_outside_the_forwards():
+    """An exploring plan is made again every step (0.7 ms of Python on this CPU, about a plain step of an engine at
+    c=1): counted as drafting's time outside the forwards, it priced drafting at a loss whenever only probes drafted.
+    The step's whole time still goes to the policy (``step_took``)."""
+    from types import SimpleNamespace
+
+    from dflash_trt.runtime.costs import CostModel
+    from dflash_trt.runtime.scheduler import Scheduler
+    from dflash_trt.runtime.step import StepReport
+
+    costs = CostModel(warming_steps=0)
+    report = StepReport(rows=(None,), drafted=(15,), accepted=(3,), draft_rows=1, draft_width=16, verify_width=16,
+                        seconds=3.0e-3, draft_s=1.0e-3, verify_s=1.2e-3, plan_s=0.5e-3)
+    Scheduler.record_costs(SimpleNamespace(costs=costs), report)
+    assert costs.overhead(True, 1) == pytest.approx(0.3e-3)
+    assert costs.verify(1, 16) == pytest.approx(1.2e-3) and costs.draft(1, 16) == pytest.approx(1.0e-3)
