@@ -94,7 +94,7 @@ def _run_pass(runner: Runner, requests: list[tuple[list[int], SamplingParams]],
     order and the wall time from the first submission to the last token (client-side work after that, e.g. reading
     chunks back, is not the runtime's)."""
     began = time.perf_counter()
-    if hasattr(runner, "run_closed_loop"):  # our runtime keeps the batch full itself, from one client thread
+    if hasattr(runner, "run_closed_loop"):  # our runtime: its worker refills a slot as a request ends
         timings = runner.run_closed_loop(requests, concurrency)
     else:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
