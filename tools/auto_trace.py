@@ -8,7 +8,9 @@ given arguments, and records, for the adaptive session only:
   requests still drafting, the prior's E(15), each candidate length's predicted rate over plain decoding (``?``:
   its cost is a guess), the predicted plain step (ms), the exploration credit, and the realised gain
   (``AutoPlanner.realised_gain``);
-- every drafting step's time outside its forwards, split by whether a row took in context (a request's first draft).
+- every drafting step's time outside its forwards and its deciding (what the cost model prices), split by whether a
+  row took in context (a request's first draft);
+- how long each decision took, by its reason (timed before this tool's own logging).
 
 Then prints per batch size how many decisions had each outcome (a decision holds up to 8 steps while the batch is
 unchanged) and the median overheads::
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections import Counter
 
 from dflash_trt.runtime import planner, scheduler
@@ -42,10 +45,13 @@ def main() -> None:
     bench_args = bench_args[1:] if command == "serve" else bench_args
     decisions: list[tuple] = []
     overheads: dict[bool, list[float]] = {True: [], False: []}
+    deciding: dict[str, list[float]] = {}
     decide, record_costs = planner.AutoPlanner._decide, scheduler.Scheduler.record_costs
 
     def traced_decide(self, requests):
+        began = time.perf_counter()
         plan = decide(self, requests)
+        deciding.setdefault(plan.reason, []).append(time.perf_counter() - began)  # before this tracer's own work
         batch, live = len(requests), [r for r in requests if not r.retired and r.wanted]
         rates, e15 = "", ""
         if live and self.informed:
@@ -62,7 +68,7 @@ def main() -> None:
     def traced_record_costs(self, report):
         record_costs(self, report)
         if report.draft_rows and self.speculation.mode == "auto":  # the static session measures its costs too
-            overheads[report.took_in_context].append(report.seconds - report.draft_s - report.verify_s)
+            overheads[report.took_in_context].append(report.seconds - report.plan_s - report.draft_s - report.verify_s)
 
     planner.AutoPlanner._decide = traced_decide  # only auto sessions plan and record costs from every step
     scheduler.Scheduler.record_costs = traced_record_costs
@@ -76,12 +82,13 @@ def main() -> None:
             for row in decisions:
                 out.write("\t".join("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
                                     for v in row) + "\n")
-        summarise(decisions, overheads)
+        summarise(decisions, overheads, deciding)
 
 
-def summarise(decisions: list[tuple], overheads: dict[bool, list[float]]) -> None:
+def summarise(decisions: list[tuple], overheads: dict[bool, list[float]], deciding: dict[str, list[float]]) -> None:
     """Per batch size: decisions by reason (``retired``: every request retired, ``waiting``: plain decoding while
-    some request keeps its drafter), and the median drafting-step overheads."""
+    some request keeps its drafter); the median drafting-step overheads, as the cost model prices them (deciding
+    left out); and how long deciding took, by the reason decided."""
     for batch in sorted({row[0] for row in decisions}):
         rows = [row for row in decisions if row[0] == batch]
         kinds = Counter("retired" if row[3] and not row[4] else "no drafter" if not row[4]
@@ -91,7 +98,11 @@ def summarise(decisions: list[tuple], overheads: dict[bool, list[float]]) -> Non
         if seconds:
             label = "took in context" if took_in_context else "steady"
             print(f"drafting steps, {label}: {len(seconds)}, median {statistics.median(seconds) * 1e3:.2f} ms "
-                  f"outside the forwards")
+                  f"outside the forwards and the deciding")
+    for reason, seconds in sorted(deciding.items()):
+        quantiles = statistics.quantiles(seconds, n=10) if len(seconds) > 1 else seconds * 9
+        print(f"deciding {reason}: {len(seconds)}, median {statistics.median(seconds) * 1e3:.2f} ms, 90th percentile "
+              f"{quantiles[-1] * 1e3:.2f} ms")
     sys.stdout.flush()
 
 

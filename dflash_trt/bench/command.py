@@ -41,8 +41,8 @@ def _numbers(text: str, kind, flag: str) -> tuple:
                    "math500, aime24, mt_bench, spec_bench); empty with --prompts to run only your file.")
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="Your own requests (.jsonl/.txt).")
 @click.option("--num-prompts", type=int, default=8, show_default=True)
-@click.option("--concurrency", default="1,4", show_default=True, help="Comma-separated concurrency levels: requests in flight, the next "
-              "submitted as one ends.")
+@click.option("--concurrency", default="1,4", show_default=True,
+              help="Comma-separated concurrency levels: requests in flight, the next submitted as one ends.")
 @click.option("--block-len", default=None, help="Comma-separated DFlash block lengths (default: the drafter's).")
 @click.option("--temperature", default="0", show_default=True, help="Comma-separated temperatures.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)

@@ -122,8 +122,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{hw['cpu_count']} cores, torch threads {hw['torch_threads']}), GPU: {hw['gpu'] or 'none'}",
         "- packages: " + ", ".join(f"{k} {v}" for k, v in conds["packages"].items()),
         f"- max_new_tokens {conds['config']['max_new_tokens']}, {conds['config']['num_prompts']} prompts per "
-        f"dataset, {conds['config']['repeats']} pass(es) over them per mode, each with the cell's concurrency in flight "
-        f"(closed loop: the next request is submitted as one ends), seed {conds['config']['seed']}, warm-up "
+        f"dataset, {conds['config']['repeats']} pass(es) over them per mode, each with the cell's concurrency in "
+        f"flight (closed loop: the next request is submitted as one ends), seed {conds['config']['seed']}, warm-up "
         f"{conds['config']['warmup']} requests and one batch per cell excluded; modes interleaved pass by pass "
         "(A B, B A, ...)",
         f"- peak RSS {report['peak_rss_mb']:.0f} MB",

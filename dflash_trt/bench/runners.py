@@ -75,7 +75,7 @@ class SessionRunner:
         handles: list[RequestHandle | None] = [None] * len(requests)
         submitted = [0.0] * len(requests)
         pending, taking = iter(range(len(requests))), threading.Lock()
-        ended, all_ended, failures = [0], threading.Event(), []
+        ended, all_ended, failures = 0, threading.Event(), []
 
         def submit_next() -> None:
             with taking:  # the first ones are submitted here while the worker may already refill
@@ -87,12 +87,13 @@ class SessionRunner:
                                                      on_end=refill)
 
         def refill() -> None:  # from the worker, as a request ends: on_end must not raise
+            nonlocal ended
             try:
                 submit_next()
             except Exception as error:  # noqa: BLE001 - raised in the client below
                 failures.append(error)
-            ended[0] += 1
-            if ended[0] == len(requests) or failures:
+            ended += 1
+            if ended == len(requests) or failures:
                 all_ended.set()
 
         for _ in range(min(concurrency, len(requests))):

@@ -206,9 +206,9 @@ class Scheduler:
     def record_costs(self, report: StepReport) -> None:
         """Feed the cost model: each forward's time at its batch and width, and the rest of the step less its
         deciding. Deciding is the policy's cost, not drafting's: a plan is reused for up to 8 steps, but an
-        exploring one is made again every step, and kept in, it priced every drafting step at c=1 at 2 ms outside
-        the forwards where steady drafting takes 0.5-0.8 ms on an ONNX Runtime engine, after a stretch where only
-        probes drafted (docs/adaptive.md, "Deciding is not drafting")."""
+        exploring one is made again every step (0.6 ms on an ONNX Runtime engine at c=1: tools/auto_trace.py), and
+        kept in, it priced every drafting step there at 2 ms outside the forwards where steady drafting takes
+        0.5-0.8 ms, after a stretch where only probes drafted (docs/adaptive.md, "Deciding is not drafting")."""
         if report.draft_rows:
             self.costs.record("draft", report.draft_rows, report.draft_width, report.draft_s)
         self.costs.record("verify", len(report.rows), report.verify_width, report.verify_s)

@@ -176,7 +176,7 @@ def test_a_subscriber_that_raises_is_dropped_and_every_request_still_finishes_un
 
 
 def test_a_steps_deciding_is_not_counted_in_its_time_outside_the_forwards():
-    """An exploring plan is made again every step (0.7 ms of Python on this CPU, about a plain step of an engine at
+    """An exploring plan is made again every step (0.6 ms of Python on this CPU, about a plain step of an engine at
     c=1): counted as drafting's time outside the forwards, it priced drafting at a loss whenever only probes drafted.
     The step's whole time still goes to the policy (``step_took``)."""
     from types import SimpleNamespace
