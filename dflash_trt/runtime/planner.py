@@ -1,7 +1,7 @@
 """The ``auto`` speculation policy, step by step: the batch's draft length, who explores, who retires.
 
 Each step the planner decides from the session's acceptance (the *prior*: per-position acceptance over the
-session's recent cycles) and the measured costs (``runtime/costs.py``):
+session's recent cycles, ``session_prior``) and the measured costs (``runtime/costs.py``):
 
 1. **Hopeless batch.** If no draft length beats plain decoding at this batch size even with every draft
    accepted, nothing drafts and every drafting request retires: its verify forwards stop computing context
@@ -78,6 +78,18 @@ REALISED_STEPS = 256
 CLEAR_WIN = 1.2
 """... and how much faster than plain decoding drafting must have run at a batch size, realised, for the batch to draft
 whatever the prediction says (see :meth:`AutoPlanner.realised_gain`)."""
+
+PRIOR_CYCLES = 256
+"""Cycles the session prior spans at most ..."""
+
+PRIOR_HORIZON_TOKENS = 1024
+"""... and tokens served since its oldest one, drafted or not (a 128-token request drafting at τ 4 is ~32 cycles: both
+limits span ~8 of them at c=1). While the batch decodes plainly only probes add cycles, 2 a request: a window of cycles
+alone then kept a stretch of hard requests for ~128 requests and decoded the easier ones after it plainly too ..."""
+
+PRIOR_KEEP = 16
+"""... keeping its last cycles however old (probes of the last 8 requests): what the session saw last stays its
+estimate."""
 
 HOPEFUL_PSEUDO = 4.0
 """Accepted pseudo-cycles per position in the optimistic estimate that gates exploration."""
@@ -277,6 +289,11 @@ class AutoPlanner:
         passed, reached = self.prior.passed, self.prior.reached
         return [max((1 + alpha) / 2, (passed[j] + HOPEFUL_PSEUDO) / (reached[j] + HOPEFUL_PSEUDO))
                 for j, alpha in enumerate(prior)]
+
+
+def session_prior() -> AcceptanceTracker:
+    """The session's acceptance across its requests, the planner's estimate for each of them."""
+    return AcceptanceTracker(PRIOR_CYCLES, 64, horizon=PRIOR_HORIZON_TOKENS, keep=PRIOR_KEEP)
 
 
 def _rate(steps) -> float:

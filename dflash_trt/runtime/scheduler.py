@@ -27,7 +27,7 @@ from dataclasses import replace
 from dflash_trt.errors import RequestError
 from dflash_trt.plugins.interface import Backend
 from dflash_trt.runtime.costs import CostModel
-from dflash_trt.runtime.planner import AutoPlanner, RequestMemory
+from dflash_trt.runtime.planner import AutoPlanner, RequestMemory, session_prior
 from dflash_trt.runtime.policy import AcceptanceTracker, SpeculationConfig, static_lengths
 from dflash_trt.runtime.prefill import prefill
 from dflash_trt.runtime.request import Cycle, RequestState
@@ -55,7 +55,7 @@ class Scheduler:
         self.free_slots = list(range(backend.max_batch))  # a min-heap
         self.queue: deque[tuple[Callable[[int], RequestState], Sink, threading.Event]] = deque()
         self.active: list[_Active] = []
-        self.prior = AcceptanceTracker(256, 64)  # the session's acceptance: every request's starting estimate
+        self.prior = session_prior()  # the session's acceptance: every request's starting estimate
         self.planner = AutoPlanner(costs, self.prior)
         self.subscribers: list[Subscriber] = []
         self.timed = False  # whether steps read the clock (some subscriber needs times)
@@ -225,6 +225,7 @@ class Scheduler:
                 self.prior.observe(drafted, accepted)
                 self.planner.observed(memory, drafted, accepted)
         if self.speculation.mode == "auto":
+            self.prior.served(len(report.rows) + sum(report.accepted))
             self.planner.step_took(report.seconds)
 
     # ----------------------------------------------------------------- failures and slots

@@ -10,7 +10,8 @@ from cost_tables import linear_costs
 
 from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
 from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, INFORMED_CYCLES,
-                                        PROBE_CYCLES, REALISED_STEPS, TRIAL_STEPS, AutoPlanner, RequestMemory)
+                                        PRIOR_CYCLES, PROBE_CYCLES, REALISED_STEPS, TRIAL_STEPS, AutoPlanner,
+                                        RequestMemory, session_prior)
 from dflash_trt.runtime.policy import AcceptanceTracker
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound
@@ -249,7 +250,9 @@ def serve_one_by_one(planner: AutoPlanner, costs: CostModel, requests: list[tupl
                 memory.tracker.observe(length, accepted)
                 planner.prior.observe(length, accepted)
                 planner.observed(memory, length, accepted)
-            produced += 1 + (accepted if length else 0)
+            committed = 1 + (accepted if length else 0)
+            produced += committed
+            planner.prior.served(committed)
             planner.step_took(costs.step(1, 1 if length else 0, length))
             lengths.append(length)
         served.append(lengths)
@@ -266,6 +269,22 @@ def test_a_cold_session_whose_first_requests_draft_badly_drafts_for_the_good_one
     assert any(served[3])  # the first good request is explored ...
     for lengths in served[4:]:
         assert all(lengths), lengths  # ... and from the next one on every step of every good request drafts
+
+
+def test_a_stretch_of_hard_requests_does_not_keep_the_easy_ones_after_it_plain():
+    """After a stretch the drafter does badly on the batch decodes plainly, and then only probes (2 cycles a request)
+    fed the session prior: a window of 256 cycles kept the hard stretch for ~128 requests, and the easy requests
+    after it decoded plainly too. The prior also forgets cycles ``PRIOR_HORIZON_TOKENS`` tokens old."""
+    easy, hard = (128, 5), (128, 1)
+    requests = [easy] * 8 + [hard] * 8 + [easy] * 16
+    for prior, recovers in ((AcceptanceTracker(PRIOR_CYCLES, 64), False), (session_prior(), True)):
+        costs = engine_like_costs()
+        served = serve_one_by_one(AutoPlanner(costs, prior), costs, requests)
+        assert all(all(lengths) for lengths in served[1:8])  # easy: every step drafts
+        assert not any(served[13])  # hard: plain decoding
+        after = [sum(1 for k in lengths if k) / len(lengths) for lengths in served[16:]]
+        assert all(share < 0.1 for share in after[:4])  # probed
+        assert all(share == 1.0 for share in after[-8:]) is recovers, after  # drafting again once the hard cycles are old
 
 
 @pytest.mark.parametrize("scale", [0.7, 1.4])

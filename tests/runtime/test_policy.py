@@ -53,6 +53,33 @@ def test_tracker_counts_match_a_recount_of_its_window(window, positions, cycles)
     assert (tracker.drafted, tracker.accepted) == (sum(d for d, _ in kept), sum(a for _, a in kept))
 
 
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(horizon=st.integers(1, 12), keep=st.integers(0, 4),
+       events=st.lists(st.one_of(st.tuples(st.just("served"), st.integers(1, 5)),
+                                 st.integers(1, 6).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d)))),
+                       max_size=30))
+def test_a_horizon_forgets_cycles_once_that_many_tokens_were_served_since_them_but_keeps_the_last(horizon, keep,
+                                                                                                   events):
+    """Cycles leave the window once ``horizon`` tokens were served after them (decoding plainly included), the
+    last ``keep`` excepted; what remains is counted exactly as a tracker that only ever saw it."""
+    tracker, stamped, served = AcceptanceTracker(6, 4, horizon=horizon, keep=keep), [], 0
+    for event in events:
+        if event[0] == "served":
+            served += event[1]
+            tracker.served(event[1])
+        else:
+            tracker.observe(*event)
+            stamped.append((served, event))
+    kept = stamped[-6:]
+    old = sum(1 for at, _ in kept if at <= served - horizon)  # a prefix: stamps only grow
+    kept = kept[min(old, max(len(kept) - keep, 0)):]
+    recount = AcceptanceTracker(6, 4)
+    for _, cycle in kept:
+        recount.observe(*cycle)
+    assert list(tracker.cycles) == [cycle for _, cycle in kept]
+    assert (tracker.reached, tracker.passed) == (recount.reached, recount.passed)
+
+
 def test_auto_drafts_when_acceptance_is_high_and_cost_is_flat():
     costs = linear_costs(1e-3, 1e-6, 2e-4, 1e-6)
     length, rates = auto_length(costs, [[0.9] * 15], [15])

@@ -137,6 +137,7 @@ def test_auto_speculation_feeds_the_cost_model_and_the_planner_from_the_report()
     # closed: the worker has run the subscribers of its last step too (they run after the cycles are handed over)
     assert sum(session.costs.mark().values()) > before
     assert session._scheduler.prior.drafted == sum(r.stats.num_draft_tokens for r in results)
+    assert session._scheduler.prior.tokens_served == sum(len(r.token_ids) for r in results)  # drafted or not
 
 
 def test_a_requests_first_draft_takes_in_its_prompt_and_the_report_says_so():
