@@ -85,7 +85,8 @@ PRIOR_CYCLES = 256
 PRIOR_HORIZON_TOKENS = 1024
 """... and tokens served since its oldest one, drafted or not (a 128-token request drafting at τ 4 is ~32 cycles: both
 limits span ~8 of them at c=1). While the batch decodes plainly only probes add cycles, 2 a request: a window of cycles
-alone then kept a stretch of hard requests for ~128 requests and decoded the easier ones after it plainly too ..."""
+alone then kept a stretch of hard requests for ~128 requests and decoded the easier ones after it plainly too
+(docs/adaptive.md, "A prior that forgets by tokens served") ..."""
 
 PRIOR_KEEP = 16
 """... keeping its last cycles however old (probes of the last 8 requests): what the session saw last stays its
