@@ -131,6 +131,9 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
                    f"τ {cell['modes']['dflash'].get('acceptance', {}).get('mean_acceptance_length', 0):.2f}, "
                    f"speed-up {cell['speedup_throughput']:.2f}x"
                    + (f", auto {cell['speedup_auto']:.2f}x" if "speedup_auto" in cell else "")
+                   + (f" (while every slot is busy: {cell['speedup_steady']:.2f}x"
+                      + (f", auto {cell['speedup_auto_steady']:.2f}x" if "speedup_auto_steady" in cell else "") + ")"
+                      if "speedup_steady" in cell else "")
                    + ("" if same is None else f", greedy identical to AR: {'yes' if same else 'NO'}"))
         if cost_line(cell) is not None:
             click.echo(f"{'':>12} {cost_line(cell)}")

@@ -72,6 +72,7 @@ class CellResult:
     timings: dict[str, list[Timing]] = field(default_factory=dict)
     walls: dict[str, float] = field(default_factory=dict)
     pass_rates: dict[str, list[float]] = field(default_factory=dict)  # output tokens/s of each pass, per mode
+    steady: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # each pass's ``steady_window``, per mode
     prompts: list[Prompt] = field(default_factory=list)
     skipped: int = 0  # prompts of the set that do not fit the context with max_new_tokens: passed over, never cut
     costs: StepCosts | None = None  # the session's forward costs at this concurrency after the cell's passes
@@ -102,6 +103,18 @@ def _run_pass(runner: Runner, requests: list[tuple[list[int], SamplingParams]],
     return timings, max(t.submitted_at + t.e2e_s for t in timings) - began
 
 
+def steady_window(timings: list[Timing]) -> tuple[int, float] | None:
+    """Tokens a pass committed, and the seconds it took, from its first submission to its last: while every slot was
+    busy, as under a server's steady stream (after the last submission the pass drains, the batch shrinking as
+    requests end). None if the pass submitted everything at once (no more requests than slots)."""
+    start, end = min(t.submitted_at for t in timings), max(t.submitted_at for t in timings)
+    if end <= start:
+        return None
+    tokens = sum(size for t in timings for at, size in zip(t.chunk_times_s, t.chunk_sizes)
+                 if t.submitted_at + at <= end)
+    return tokens, end - start
+
+
 def run_cell(runners: dict[str, Runner], requests: list[tuple[list[int], SamplingParams]], concurrency: int,
              cell: CellResult, repeats: int = 1) -> None:
     """Warm every runner up with one untimed batch of ``concurrency`` short requests, then run ``requests``
@@ -111,13 +124,16 @@ def run_cell(runners: dict[str, Runner], requests: list[tuple[list[int], Samplin
             for ids, params in requests[:concurrency]]
     for name in names:
         _run_pass(runners[name], warm, concurrency)
-        cell.timings[name], cell.walls[name], cell.pass_rates[name] = [], 0.0, []
+        cell.timings[name], cell.walls[name], cell.pass_rates[name], cell.steady[name] = [], 0.0, [], []
     for number in range(repeats):
         for name in (names if number % 2 == 0 else names[::-1]):
             timings, wall = _run_pass(runners[name], requests, concurrency)
             cell.timings[name] += timings
             cell.walls[name] += wall
             cell.pass_rates[name].append(sum(len(t.token_ids) for t in timings) / wall)
+            window = steady_window(timings)
+            if window is not None:
+                cell.steady[name].append(window)
 
 
 def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callable[[int], Runner]] | None = None,
@@ -209,11 +225,22 @@ def cell_summary(cell: CellResult, config: BenchConfig) -> dict[str, Any]:
         summary["speedup_auto"] = (modes[DFLASH_AUTO]["output_tokens_per_s"]
                                    / modes[BASELINE[DFLASH_AUTO]]["output_tokens_per_s"])
         summary["speedup_auto_passes"] = _pass_spread(cell, DFLASH_AUTO)
+    for mode, key in ((DFLASH, "speedup_steady"), (DFLASH_AUTO, "speedup_auto_steady")):
+        steady, baseline = _steady_rate(cell, mode), _steady_rate(cell, BASELINE[mode])
+        if steady and baseline:
+            summary[key] = steady / baseline
     if cell.temperature == 0:
         reference = [t.token_ids for t in cell.timings[AR]]
         summary["identical_to_ar"] = {name: [t.token_ids for t in timings] == reference
                                       for name, timings in cell.timings.items() if name != AR}
     return summary
+
+
+def _steady_rate(cell: CellResult, mode: str) -> float | None:
+    """Output tokens/s of ``mode`` over its passes' steady windows (``steady_window``), None without any."""
+    windows = cell.steady.get(mode)
+    seconds = sum(s for _, s in windows or ())
+    return sum(tokens for tokens, _ in windows) / seconds if seconds else None
 
 
 def _pass_spread(cell: CellResult, mode: str) -> dict[str, float] | None:

@@ -166,6 +166,21 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} "
                          f"| {name} | {passes['passes']} | {passes['min']:.2f}x | {passes['median']:.2f}x | "
                          f"{passes['max']:.2f}x |")
+    steady = [cell for cell in report["cells"] if "speedup_steady" in cell]
+    if steady:
+        lines += ["", "## While every slot is busy (each pass's drain left out)", "",
+                  "Speed-up over each pass from its first submission to its last, while all `conc.` requests were in "
+                  "flight, as under a server's steady stream. After its last submission a pass drains: plain "
+                  "decoding's requests of equal length end together, a drafting mode's end one by one and the batch "
+                  "shrinks, so the whole-pass speed-up also charges drafting for the pass's end.", "",
+                  "| dataset | T | B | conc. | mode | steady speed-up | whole-pass speed-up |",
+                  "|---|---|---|---|---|---|---|"]
+        for cell in steady:
+            for name, key, whole in ((DFLASH, "speedup_steady", "speedup_throughput"),
+                                     (DFLASH_AUTO, "speedup_auto_steady", "speedup_auto")):
+                if key in cell:
+                    lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | "
+                                 f"{cell['concurrency']} | {name} | {cell[key]:.2f}x | {cell[whole]:.2f}x |")
     costed = [cell for cell in report["cells"] if "forward_costs" in cell]
     if costed:
         lines += ["", "## Where the time goes (DFlash, static block length)", "",

@@ -5,7 +5,7 @@ embedded pair whose DFlash outputs equal plain decoding."""
 from __future__ import annotations
 
 from dflash_trt.bench.harness import AR, AR_AUTO, DFLASH, DFLASH_AUTO, BenchConfig, CellResult, cell_summary, \
-    run_benchmark, run_cell
+    run_benchmark, run_cell, steady_window
 from dflash_trt.bench.report import build_report, conditions, cost_line, render_markdown, write_report
 from dflash_trt.bench.runners import SessionRunner, Timing
 from dflash_trt.config import SamplingParams
@@ -79,6 +79,10 @@ def test_embedded_pair_bench_is_lossless_and_reports_the_per_pass_spread(tmp_pat
     report = build_report(cells, config, conditions(session, config, [], [], "dflash-trt bench (test)"))
     markdown = render_markdown(report)
     assert "## Speed-up per pass (the noise)" in markdown
+    for cell in report["cells"]:  # 4 requests on 1 or 2 slots: each pass has a steady window
+        assert cell["speedup_steady"] > 0 and cell["speedup_auto_steady"] > 0
+        assert f"| dflash_auto | {cell['speedup_auto_steady']:.2f}x | {cell['speedup_auto']:.2f}x |" in markdown
+    assert "## While every slot is busy (each pass's drain left out)" in markdown
     assert "## Where the time goes" in markdown and f"{report['cells'][0]['speedup_ideal']:.2f}x" in markdown
     assert cost_line(report["cells"][0]).endswith(f"measured {report['cells'][0]['speedup_throughput']:.2f}x")
     assert "2 pass(es)" in markdown
@@ -97,3 +101,13 @@ def test_without_matplotlib_the_report_is_written_and_says_the_plots_were_skippe
     written = write_report(report, tmp_path)
     assert [p.name for p in written] == ["report.json", "report.md"]
     assert "pip install 'dflash-trt[bench]'" in (tmp_path / "report.md").read_text()
+
+
+def test_the_steady_window_runs_from_the_first_submission_to_the_last_and_counts_the_tokens_in_it():
+    """Two slots, three requests: the third is submitted at 1.0 s as the first ends; tokens after it (the drain)
+    are left out, and a pass that submitted everything at once has no steady window."""
+    first = Timing([1, 2], [0.5, 1.0], [1, 1], submitted_at=0.0)
+    second = Timing([1, 2, 3, 4], [0.4, 0.9, 1.2, 2.0], [1, 2, 1, 1], submitted_at=0.0)  # 3 tokens by 1.0 s
+    third = Timing([1, 2], [0.3, 0.6], [1, 1], submitted_at=1.0)  # all after 1.0 s
+    assert steady_window([first, second, third]) == (2 + 3, 1.0)
+    assert steady_window([first, second]) is None
