@@ -92,6 +92,11 @@ def build_report(cells: list[CellResult], config: BenchConfig, conds: dict[str, 
             "categories": groups, "peak_rss_mb": peak_rss_mb()}
 
 
+def _cell_columns(cell: dict[str, Any]) -> str:
+    """A cell's first four columns of every table: dataset, T, B, concurrency."""
+    return f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} |"
+
+
 def _fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
@@ -148,8 +153,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             same = cell.get("identical_to_ar", {}).get(name)
             e2e = mode["e2e_s"]
             lines.append(
-                f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} | "
-                f"{name} | {mode['output_tokens_per_s']:,.0f} | {mode['tokens_per_s_per_user']:,.0f} | "
+                f"{_cell_columns(cell)} {name} | {mode['output_tokens_per_s']:,.0f} | "
+                f"{mode['tokens_per_s_per_user']:,.0f} | "
                 f"{_fmt_ms(mode['ttft_s']['p50'])} | {_fmt_ms(mode['tpot_s']['p50'])} | {_fmt_ms(mode['itl_s']['p50'])}"
                 f" | {_fmt_ms(e2e['p50'])}/{_fmt_ms(e2e['p95'])}/{_fmt_ms(e2e['p99'])} | {tau} | {speedup:.2f}x | "
                 f"{tpot_speedup:.2f}x | {'–' if same is None else ('yes' if same else 'NO')} |")
@@ -163,8 +168,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "| dataset | T | B | conc. | mode | passes | min | median | max |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for cell, name, passes in spread:
-            lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} "
-                         f"| {name} | {passes['passes']} | {passes['min']:.2f}x | {passes['median']:.2f}x | "
+            lines.append(f"{_cell_columns(cell)} {name} | {passes['passes']} | {passes['min']:.2f}x | {passes['median']:.2f}x | "
                          f"{passes['max']:.2f}x |")
     steady = [cell for cell in report["cells"] if "speedup_steady" in cell]
     if steady:
@@ -179,8 +183,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             for name, key, whole in ((DFLASH, "speedup_steady", "speedup_throughput"),
                                      (DFLASH_AUTO, "speedup_auto_steady", "speedup_auto")):
                 if key in cell:
-                    lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | "
-                                 f"{cell['concurrency']} | {name} | {cell[key]:.2f}x | {cell[whole]:.2f}x |")
+                    lines.append(f"{_cell_columns(cell)} {name} | {cell[key]:.2f}x | {cell[whole]:.2f}x |")
     costed = [cell for cell in report["cells"] if "forward_costs" in cell]
     if costed:
         lines += ["", "## Where the time goes (DFlash, static block length)", "",
@@ -195,8 +198,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for cell in costed:
             costs = cell["forward_costs"]
             tau = cell["modes"][DFLASH]["acceptance"]["mean_acceptance_length"]
-            lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | "
-                         f"{cell['concurrency']} | {_fmt_ms(costs['plain_step_s'])} ({_fmt_ms(costs['plain_verify_s'])}"
+            lines.append(f"{_cell_columns(cell)} {_fmt_ms(costs['plain_step_s'])} ({_fmt_ms(costs['plain_verify_s'])}"
                          f" + {_fmt_ms(costs['plain_other_s'])}) | {_fmt_ms(costs['verify_s'])} | "
                          f"{_fmt_ms(costs['draft_s'])} | {_fmt_ms(costs['draft_other_s'])} | "
                          f"{_fmt_ms(costs['cycle_s'])} | {tau:.2f} | {cell['speedup_ideal']:.2f}x | "
@@ -208,8 +210,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         if not acc:
             continue
         per_pos = ", ".join(f"{v:.2f}" for v in acc["per_position_acceptance"][:8])
-        lines.append(f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} "
-                     f"| {acc['mean_acceptance_length']:.2f} | {acc['draft_acceptance_rate']:.1%} | {per_pos} | "
+        lines.append(f"{_cell_columns(cell)} {acc['mean_acceptance_length']:.2f} | {acc['draft_acceptance_rate']:.1%} | {per_pos} | "
                      f"{acc['acceptance_histogram']} |")
     lines += ["", "## By category", "", "| group · concurrency · T · B | requests | speed-up | τ |", "|---|---|---|---|"]
     for key, group in report["categories"].items():
