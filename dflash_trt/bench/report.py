@@ -92,6 +92,12 @@ def build_report(cells: list[CellResult], config: BenchConfig, conds: dict[str, 
             "categories": groups, "peak_rss_mb": peak_rss_mb()}
 
 
+def _table_section(title: str, about: str, columns: list[str]) -> list[str]:
+    """A report section's heading, text and table head; its rows start with ``_cell_columns``."""
+    head = ["dataset", "T", "B", "conc.", *columns]
+    return ["", f"## {title}", "", about, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+
 def _cell_columns(cell: dict[str, Any]) -> str:
     """A cell's first four columns of every table: dataset, T, B, concurrency."""
     return f"| {cell['dataset']} | {cell['temperature']:g} | {cell['block_len']} | {cell['concurrency']} |"
@@ -162,23 +168,21 @@ def render_markdown(report: dict[str, Any]) -> str:
               for name, key in ((DFLASH, "speedup_throughput_passes"), (DFLASH_AUTO, "speedup_auto_passes"))]
     spread = [(cell, name, passes) for cell, name, passes in spread if passes and passes["passes"] > 1]
     if spread:
-        lines += ["", "## Speed-up per pass (the noise)", "",
-                  "Each repeat runs every mode over the same requests back to back; the spread of the per-pass ratios "
-                  "shows how much of a difference is noise.", "",
-                  "| dataset | T | B | conc. | mode | passes | min | median | max |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += _table_section("Speed-up per pass (the noise)",
+                                "Each repeat runs every mode over the same requests back to back; the spread of the "
+                                "per-pass ratios shows how much of a difference is noise.",
+                                ["mode", "passes", "min", "median", "max"])
         for cell, name, passes in spread:
-            lines.append(f"{_cell_columns(cell)} {name} | {passes['passes']} | {passes['min']:.2f}x | {passes['median']:.2f}x | "
-                         f"{passes['max']:.2f}x |")
+            lines.append(f"{_cell_columns(cell)} {name} | {passes['passes']} | {passes['min']:.2f}x | "
+                         f"{passes['median']:.2f}x | {passes['max']:.2f}x |")
     steady = [cell for cell in report["cells"] if "speedup_steady" in cell]
     if steady:
-        lines += ["", "## While every slot is busy (each pass's drain left out)", "",
-                  "Speed-up over each pass from its first submission to its last, while all `conc.` requests were in "
-                  "flight, as under a server's steady stream. After its last submission a pass drains: plain "
-                  "decoding's requests of equal length end together, a drafting mode's end one by one and the batch "
-                  "shrinks, so the whole-pass speed-up also charges drafting for the pass's end.", "",
-                  "| dataset | T | B | conc. | mode | steady speed-up | whole-pass speed-up |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += _table_section("While every slot is busy (each pass's drain left out)",
+                                "Speed-up over each pass from its first submission to its last, while all `conc.` "
+                                "requests were in flight, as under a server's steady stream. After its last submission "
+                                "a pass drains: plain decoding's requests of equal length end together, a drafting "
+                                "mode's end one by one and the batch shrinks, so the whole-pass speed-up also charges "
+                                "drafting for the pass's end.", ["mode", "steady speed-up", "whole-pass speed-up"])
         for cell in steady:
             for name, key, whole in ((DFLASH, "speedup_steady", "speedup_throughput"),
                                      (DFLASH_AUTO, "speedup_auto_steady", "speedup_auto")):
