@@ -21,7 +21,8 @@ from dflash_trt.config import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("execution")  # torch eager, torch static shapes, ONNX Runtime engines
 
-ATOL = 1e-5  # float32 draft logits of two implementations of the same network
+ATOL, RTOL = 1e-5, 1e-5  # float32 draft logits of two implementations of the same network, whose kernels and
+# reduction orders differ by CPU: on an AMD EPYC an ONNX Runtime engine's logit of 2.14 differed by 1.1e-5
 
 dflash_model = pytest.importorskip("dflash.model", reason="the reference implementation dflash 0.1.0 is not installed")
 
@@ -211,7 +212,7 @@ def test_greedy_ids_acceptance_and_proposals_equal_the_reference(name, zoo, refe
     assert our_lengths == ref_lengths
     assert proposals(our_logits) == proposals(ref_logits)
     for cycle, (mine, theirs) in enumerate(zip(our_logits, ref_logits)):
-        torch.testing.assert_close(mine, theirs, rtol=0, atol=ATOL, msg=lambda m: f"cycle {cycle}: {m}")
+        torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=ATOL, msg=lambda m: f"cycle {cycle}: {m}")
     # lossless on both sides: the target's own greedy tokens, cut after the first stop token
     expected = plain[:plain.index(stop[0]) + 1] if stop else plain
     assert ref_ids == expected
