@@ -40,8 +40,11 @@ _HISTORY = 4096
 _TRUSTED = 3
 """Measurements a point needs within ``_STALE_STEPS`` before its own median is its cost; until then, the least of
 them (noise only ever adds time: a session's first drafting step took 9 ms outside its forwards, later ones 0.7 ms)."""
-_LOAD_HISTORY = 64
-"""Verifies of one point its usual time is taken over, for :attr:`CostModel.load`."""
+_LOAD_HISTORY = 256
+"""Verifies of one point its usual time is taken over, for :attr:`CostModel.load`: more than a long burst of load
+lasts. Over 64, a burst of 150 plain steps at c=1 became plain decoding's usual time; its load then read 0.5 once the
+burst ended, and plain decoding was priced at 2x its cost for the hundreds of drafting steps that followed (the
+simulator's CPU at c=1, seed 2: 0.88x plain; docs/adaptive.md, "A usual time longer than a burst")."""
 WARMING_STEPS = 12
 """A session's first drafting steps, whose time outside the forwards is not kept: on an ONNX Runtime engine at batch
 1 the first ten took 1.4-2.2 ms there, the later ones 0.75-0.85 ms, and three of them priced drafting at a loss
@@ -105,7 +108,7 @@ class CostModel:
         self.last_step_warming = False  # the step recorded last was a warming drafting step
         self.last_draft: tuple[int, int, float] | None = None  # (batch, width, seconds) of the last draft call
         self._samples: dict[tuple, deque[float]] = {}  # point -> its last ``_WINDOW`` measurements (see _measured)
-        self._load_history: dict[tuple[int, int], deque[float]] = {}  # (batch, width) -> its last verifies
+        self._load_history: dict[tuple[int, int], _Times] = {}  # (batch, width) -> its last verifies
         self._plain_load: dict[int, float] = {}  # batch -> the load when its last plain verify ran
         # how much slower than usual the machine runs now: the median of the last few verifies of the point measured
         # last over its usual time (:func:`_usual` of its last ``_LOAD_HISTORY``; 1 until there are enough); a burst
@@ -166,10 +169,10 @@ class CostModel:
             samples.clear()  # expired: its old measurements do not come back with it
         plain = point[0] == "verify" and point[2] == 1
         if point[0] == "verify":  # every verify tells the load: a batch that drafts every step runs no plain one
-            history = self._load_history.setdefault(point[1:], deque(maxlen=_LOAD_HISTORY))
+            history = self._load_history.setdefault(point[1:], _Times(_LOAD_HISTORY))
             history.append(seconds)
             if len(history) >= 2 * _TRUSTED:
-                self.load = statistics.median(list(history)[-_TRUSTED:]) / _usual(history)
+                self.load = history.recent_median(_TRUSTED) / history.lower_quartile()
             elif plain:
                 self.load = 1.0
             if plain:
@@ -330,10 +333,33 @@ class CostModel:
                          part(("overhead", True, batch), lambda: self.overhead(True, batch)))
 
 
-def _usual(history) -> float:
-    """A point's time on an unloaded machine: the lower quartile of its recent measurements (load only ever adds
-    time, and a point measured mostly in a burst of load still has some unloaded measurements)."""
-    return statistics.quantiles(history, n=4)[0]
+class _Times:
+    """A point's last ``size`` verify times, in the order measured and sorted: its usual time on an unloaded machine
+    is their lower quartile (load only ever adds time, and a point measured mostly in a burst of load still has some
+    unloaded measurements), read every step without sorting them again."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.measured: deque[float] = deque()
+        self.ordered: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.measured)
+
+    def append(self, seconds: float) -> None:
+        self.measured.append(seconds)
+        bisect.insort(self.ordered, seconds)
+        if len(self.measured) > self.size:
+            del self.ordered[bisect.bisect_left(self.ordered, self.measured.popleft())]
+
+    def recent_median(self, count: int) -> float:
+        return statistics.median(self.measured[-i] for i in range(1, count + 1))
+
+    def lower_quartile(self) -> float:
+        """As ``statistics.quantiles(times, n=4)[0]`` (the default, exclusive method)."""
+        data, n = self.ordered, len(self.ordered)
+        j, delta = divmod(n + 1, 4)
+        return (data[j - 1] * (4 - delta) + data[j] * delta) / 4
 
 
 def _interpolate(points: list[int], x: int, value) -> float:

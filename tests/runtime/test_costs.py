@@ -182,6 +182,28 @@ def test_forwards_measured_during_a_burst_of_load_compare_with_plain_steps_at_th
     assert costs.verify(1, 16) == pytest.approx(wide)
 
 
+def test_a_burst_longer_than_a_hundred_plain_steps_does_not_become_plain_decodings_usual_time():
+    """150 plain steps in a 2x burst, a few after it, then drafting: plain decoding is priced at its cost now. With
+    its usual time taken over its last 64 verifies (all in the burst), its load read 0.5 after the burst, and plain
+    decoding was priced at 2x its cost while the batch drafted."""
+    costs = grid()
+    plain, wide = costs.calibrated["verify"][(1, 1)], costs.calibrated["verify"][(1, 16)]
+    for _ in range(64):
+        costs.record("verify", 1, 1, plain)
+        costs.record_overhead(False, 1, 1e-4)
+    for _ in range(150):
+        costs.record("verify", 1, 1, 2 * plain)  # the burst
+        costs.record_overhead(False, 1, 1e-4)
+    for _ in range(3):
+        costs.record("verify", 1, 1, plain)  # over
+        costs.record_overhead(False, 1, 1e-4)
+    for _ in range(16):
+        costs.record("verify", 1, 16, wide)  # drafting, unloaded
+        costs.record_overhead(True, 1, 1e-4)
+    assert costs.verify(1, 1) == pytest.approx(plain, rel=0.05)
+    assert costs.verify(1, 16) == pytest.approx(wide, rel=0.05)
+
+
 def test_a_point_never_calibrated_costs_the_least_of_its_first_measurements():
     costs = grid()
     costs.record("draft", 1, 40, 9e-3)  # a first draft taking in a prompt, cold
