@@ -65,7 +65,9 @@ def table(out: Path, seed: int, requests_per_slot: int, jobs: int) -> None:
     with ProcessPoolExecutor(jobs) as pool:  # cells are independent and deterministic by seed
         rows = list(pool.map(_cell, cells))
     text = simulate.render(rows, seed=seed, requests_per_slot=requests_per_slot,
-                           command=f"python tools/simulate_policy.py table --out {out}")
+                           command=f"python tools/simulate_policy.py table --out {out}"
+                                   + (f" --seed {seed}" if seed else "")
+                                   + (f" --requests-per-slot {requests_per_slot}" if requests_per_slot != 4 else ""))
     old = out.read_text(encoding="utf-8") if out.is_file() else ""
     if BEGIN in old and END in old:
         text = old[:old.index(BEGIN)] + BEGIN + "\n" + text + END + old[old.index(END) + len(END):]
