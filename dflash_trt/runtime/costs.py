@@ -111,8 +111,9 @@ class CostModel:
         self._load_history: dict[tuple[int, int], _Times] = {}  # (batch, width) -> its last verifies
         self._plain_load: dict[int, float] = {}  # batch -> the load when its last plain verify ran
         # how much slower than usual the machine runs now: the median of the last few verifies of the point measured
-        # last over its usual time (:func:`_usual` of its last ``_LOAD_HISTORY``; 1 until there are enough); a burst
-        # of load on a shared machine shows in a few steps, and ends in a few, whether the batch drafts or not
+        # last over its usual time (the lower quartile of its last ``_LOAD_HISTORY``, :class:`_Times`; 1 until there
+        # are enough); a burst of load on a shared machine shows in a few steps, and ends in a few, whether the batch
+        # drafts or not
         self.load = 1.0
         self._last: dict[tuple, int] = {}  # point -> the step of its last measurement
         self._history: dict[tuple, deque[float]] = {}  # longer record per point, for reports only
