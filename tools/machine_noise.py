@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(rates) < 3:
         parser.error(f"--seconds {args.seconds:g} gives {len(rates)} windows of {args.window:g} s; expected at least "
                      "3. Fix: measure longer or use a shorter --window.")
-    relative = [rate / statistics.median(rates) for rate in rates]
+    median = statistics.median(rates)
+    relative = [rate / median for rate in rates]
     pairs = [a / b for a, b in zip(rates, rates[1:])]
     deciles = statistics.quantiles(pairs, n=10)
     print(f"{len(rates)} windows of {args.window:g} s, speed relative to their median: min {min(relative):.2f}, "
