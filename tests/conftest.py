@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from export_cache import ExportCache  # noqa: E402
 from tiny_models import DraftSpec, TargetSpec, Zoo  # noqa: E402
 
 torch.set_num_threads(1)  # bit-reproducible float32, and polite on the shared 2-core machines
@@ -71,6 +72,15 @@ def execution(request: pytest.FixtureRequest, zoo: Zoo):
             yield request.param
         finally:
             zoo.engine_backend = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def export_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Each distinct ONNX export runs once per session; engine builds of the same graphs copy it (export_cache.py)."""
+    cache = ExportCache(tmp_path_factory.mktemp("onnx-exports"))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        cache.install(monkeypatch)
+        yield cache
 
 
 @pytest.fixture(scope="session")
