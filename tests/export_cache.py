@@ -50,7 +50,6 @@ class ExportCache:
     def __init__(self, folder: Path):
         self.folder = folder
         self.graphs: dict[tuple, Path] = {}
-        self.hits = 0
 
     def install(self, monkeypatch) -> None:
         from dflash_trt.builder import export_onnx
@@ -72,7 +71,6 @@ class ExportCache:
                 key = (name, path.name, tuple((k, argument_key(v)) for k, v in fields.items()),
                        tuple(sorted(weights.items())), tuple(getattr(export_onnx, c) for c in CONSTANTS))
                 if key in self.graphs:
-                    self.hits += 1
                     path.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(self.graphs[key], path)
                     return path
