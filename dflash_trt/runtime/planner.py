@@ -3,15 +3,21 @@
 Each step the planner decides from the session's acceptance (the *prior*: per-position acceptance over the
 session's recent cycles, ``session_prior``) and the measured costs (``runtime/costs.py``):
 
-1. **Hopeless batch.** If no draft length beats plain decoding at this batch size even with every draft
+1. **Plain decoding's price first.** Until traffic measured plain decoding at about this batch size (lately, within
+   a factor of two), the batch decodes plainly for one step: every choice below compares against that price, and
+   from the calibration's shape alone it can be far off (the calibration runs at short contexts: on the simulated
+   H200 at 32k-token contexts it priced a plain step of 29 rows at 3.3 ms against the 30 ms it costs, so every
+   drafting request retired as the batch shrank below half the size plain decoding was measured at; and a price
+   that expires after 1,024 steps of drafting fell back to that shape too).
+2. **Hopeless batch.** If no draft length beats plain decoding at this batch size even with every draft
    accepted, nothing drafts and every drafting request retires: its verify forwards stop computing context
    taps and it is exactly plain decoding from then on.
-2. **Exploit.** Once the prior holds ``INFORMED_CYCLES`` cycles, ``policy.auto_length`` picks the length with
+3. **Exploit.** Once the prior holds ``INFORMED_CYCLES`` cycles, ``policy.auto_length`` picks the length with
    the most predicted tokens per second for the batch (0 unless it beats plain decoding by ``MARGIN``), and
    every live request drafts it. One estimate for the whole session, not one per request: a request's own
    recent cycles predict its next one poorly (under sampling, cycles are close to independent), and following
    them through bad stretches left the full block, which wins at c=1 on a memory-bound GPU, on the table.
-3. **Explore.** Otherwise, requests not yet measured (fewer than ``PROBE_CYCLES`` cycles; every request while the
+4. **Explore.** Otherwise, requests not yet measured (fewer than ``PROBE_CYCLES`` cycles; every request while the
    prior is not informed) draft their full block, if a drafter better than the prior (each α halfway to 1, or
    optimistic while the prior has few cycles) would pay at this batch and the *exploration credit* covers the step's
    predicted net cost. The credit is time: a session starts with ``COLD_PLAIN_STEPS`` plain steps' worth (at most
@@ -19,8 +25,10 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    An exploration is charged what it cost: its measured time less the plain-decoding time of the tokens it
    committed. So exploration costs at most the starting bank plus ``EXPLORE_FRACTION`` of the time served, however
    many requests arrive; a cold session's exploring included (before the prior is informed, drafting is exploring).
-   A session whose drafter went bad keeps sampling new requests, and notices when the workload changes.
-4. **Retire.** When the informed prior says plain decoding for this batch, the live requests stop drafting
+   A session whose drafter went bad keeps sampling new requests, and notices when the workload changes. An informed
+   session probes a request once it is ``PROBE_AFTER_TOKENS`` into its response: its first cycles are not like the
+   rest (a cold session probes at once: anything it learns beats nothing).
+5. **Retire.** When the informed prior says plain decoding for this batch, the live requests stop drafting
    for good (their verify forwards stop computing context taps: on a CPU at batch 16 those cost ~10% of a
    step; on an engine at batch 16, up to 1.5x a plain request's step). They keep their drafter only on a close call:
    a measured length within ``MARGIN`` of plain decoding. A length priced from the calibrated shape alone is a
@@ -29,7 +37,7 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    (hopeless, plain for the prior) count every request with a drafter, the retired ones included: judged by its
    live requests alone, a request joining a batch of retired ones looked hopeless by itself (a wide verify is paid
    by every row) and retired in turn, so a batch that retired once never drafted again.
-5. **What happened outranks what is predicted.** Before a batch decodes plainly on a prediction, the planner looks
+6. **What happened outranks what is predicted.** Before a batch decodes plainly on a prediction, the planner looks
    at the tokens per second its drafting and plain steps at this batch size realised lately
    (:meth:`AutoPlanner.realised_gain`); where drafting clearly won (``CLEAR_WIN``), the batch drafts the best
    predicted length. At c=1 the prior spans a few stories and the costs a few cold steps, and predictions swung
@@ -67,6 +75,13 @@ step of a small model, 0.6 ms)."""
 TRIAL_STEPS = 2
 """Steps a length whose cost is a guess is tried for once started, whatever they cost the credit."""
 
+PROBE_AFTER_TOKENS = 16
+"""Tokens a request commits before it is probed (half its ``max_new_tokens`` if that is less): the first cycles of
+a response are not like the rest. Recorded from real drafters (``bench/acceptance_traces.py``), the first two
+cycles accepted 0.77 drafts on spec_bench at T=0 against 1.34 over whole responses, and 1.28 against 0.41 on
+stories at T=1; from the 16th token on, 1.43 and 0.39. Probes at a response's start kept a session that had met a
+stretch of hard requests decoding plainly through easy ones (docs/adaptive.md, "Probes where a response begins")."""
+
 PROBE_ROWS = 4
 """Requests explored in one step at most (those with the least context to take in first): enough to inform the
 prior in one or two steps; 64 rows taking in 32k-token prompts at once cost ~8 plain steps on the simulated
@@ -82,11 +97,13 @@ whatever the prediction says (see :meth:`AutoPlanner.realised_gain`)."""
 PRIOR_CYCLES = 256
 """Cycles the session prior spans at most ..."""
 
-PRIOR_HORIZON_TOKENS = 1024
-"""... and tokens served since its oldest one, drafted or not (a 128-token request drafting at τ 4 is ~32 cycles: both
-limits span ~8 of them at c=1). While the batch decodes plainly only probes add cycles, 2 a request: a window of cycles
-alone then kept a stretch of hard requests for ~128 requests and decoded the easier ones after it plainly too
-(docs/adaptive.md, "A prior that forgets by tokens served") ..."""
+PRIOR_HORIZON_STEPS = 256
+"""... and request-steps served since its oldest one, drafting or not (a batch of B serves B a step). While the batch
+drafts, both limits are the same 256 cycles (~8 requests of 128 tokens at τ 4 and c=1); while it decodes plainly only
+probes add cycles, 2 a request, and the stretch that made it stop drafting leaves after 256 request-steps: 2 requests
+at c=1. A window of cycles alone kept a stretch of hard requests for ~128 requests and decoded the easier ones after it
+plainly too (docs/adaptive.md, "A prior that forgets by tokens served"); a horizon of 1,024 tokens served, for 8
+requests at c=1 (the simulated H200 at c=1 on spec_bench: 0.79 of static k=15; "Probes where a response begins") ..."""
 
 PRIOR_KEEP = 16
 """... keeping its last cycles however old (probes of the last 8 requests): what the session saw last stays its
@@ -106,11 +123,18 @@ class RequestMemory:
     context: int = 0  # context taps its next draft must take in (set by the scheduler each step). Not priced: a
     # request's first draft takes in its whole prompt, a one-off every drafting policy pays, and pricing it into a
     # probe kept a cold session at 32k-token prompts from ever measuring its drafter
+    generated: int = 0  # tokens committed after its first (set by the scheduler each step)
+    probe_after: int = 0  # ``generated`` it reaches before it is probed (``probe_after``: PROBE_AFTER_TOKENS at most)
 
     @property
     def probed(self) -> bool:
         """Measured for ``PROBE_CYCLES`` recent cycles (or a whole acceptance window, if that is shorter)."""
         return len(self.tracker.cycles) >= min(PROBE_CYCLES, self.tracker.window)
+
+    @property
+    def ready(self) -> bool:
+        """Far enough into its response to be probed (``PROBE_AFTER_TOKENS``)."""
+        return self.generated >= self.probe_after
 
 
 @dataclass
@@ -118,7 +142,7 @@ class Plan:
     """One step's decision: the draft length of each request (0 = plain) and why."""
 
     lengths: list[int]
-    reason: str  # "plain" | "hopeless" | "exploit" | "explore"
+    reason: str  # "measure" | "plain" | "hopeless" | "exploit" | "explore"
     plain_step_s: float = 0.0  # predicted seconds of a plain step of this batch
 
 
@@ -191,8 +215,8 @@ class AutoPlanner:
         """This step's draft length per request."""
         self._accepted = 0
         plan = self._plan
-        if (plan is None or plan.reason == "explore" or self._age >= REFRESH_STEPS or len(requests) != len(self._batch)
-                or any(a is not b for a, b in zip(requests, self._batch))):
+        if (plan is None or plan.reason in ("explore", "measure") or self._age >= REFRESH_STEPS
+                or len(requests) != len(self._batch) or any(a is not b for a, b in zip(requests, self._batch))):
             self._plan, self._batch, self._age = self._decide(requests), list(requests), 0
         self._age += 1
         return self._plan
@@ -205,6 +229,8 @@ class AutoPlanner:
         live = [i for i, r in enumerate(requests) if not r.retired and r.wanted > 0]
         if not live:
             return Plan([0] * batch, "plain", plain_step)
+        if not self.costs.known(batch, 0, 0):  # plain decoding's price here is the shape's guess: measure it first
+            return Plan([0] * batch, "measure", plain_step)  # one step (made again next step, as an exploring plan)
         capable = [r.wanted for r in requests]  # retired ones included: the batch could draft with the prior
         longest = max(capable)
         if not self._could_gain(batch, sum(1 for w in capable if w), longest, plain_step):
@@ -236,8 +262,8 @@ class AutoPlanner:
         explored = self._explore(requests, wanted, prior, plain_step)
         if explored is not None:
             return Plan(explored, "explore", plain_step)
-        if self.informed and self._loses(prior, capable):
-            self._retire(requests, live)
+        if self.informed and self._loses(prior, capable):  # those not far enough in to be probed yet wait for it
+            self._retire(requests, [i for i in live if requests[i].ready])
         return Plan([0] * batch, "plain", plain_step)
 
     @staticmethod
@@ -266,7 +292,8 @@ class AutoPlanner:
                  plain_step: float) -> list[int] | None:
         """Drafts for the requests not yet probed, at the length that would pay best if their drafter beat the prior,
         if one does and the credit covers the step's predicted net cost; else None."""
-        explorers = [i for i, r in enumerate(requests) if wanted[i] and not (r.probed and self.informed)]
+        explorers = [i for i, r in enumerate(requests)  # a cold session probes at once: anything beats nothing
+                     if wanted[i] and (r.ready or not self.informed) and not (r.probed and self.informed)]
         if not explorers or not self.costs.known(len(requests), 0, 0):  # a probe is charged against plain steps
             return None
         explorers = sorted(explorers, key=lambda i: requests[i].context)[:PROBE_ROWS]
@@ -292,9 +319,14 @@ class AutoPlanner:
                 for j, alpha in enumerate(prior)]
 
 
+def probe_after(max_new_tokens: int) -> int:
+    """Tokens a request commits (after its first) before it is probed: ``PROBE_AFTER_TOKENS``, or half its budget."""
+    return min(PROBE_AFTER_TOKENS, max_new_tokens // 2)
+
+
 def session_prior() -> AcceptanceTracker:
     """The session's acceptance across its requests, the planner's estimate for each of them."""
-    return AcceptanceTracker(PRIOR_CYCLES, 64, horizon=PRIOR_HORIZON_TOKENS, keep=PRIOR_KEEP)
+    return AcceptanceTracker(PRIOR_CYCLES, 64, horizon=PRIOR_HORIZON_STEPS, keep=PRIOR_KEEP)
 
 
 def _rate(steps) -> float:

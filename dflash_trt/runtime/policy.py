@@ -48,17 +48,17 @@ class AcceptanceTracker:
     """Rolling per-position acceptance of one request (or the whole session, as a prior).
 
     Counts are kept incrementally (a cycle entering the window adds, the one leaving subtracts), so a
-    query costs O(positions), not O(window x positions). With a ``horizon``, cycles also leave once the tokens
-    ``served`` since them reach it (the most recent ``keep`` stay): a window of cycles alone stops moving while
-    nothing drafts.
+    query costs O(positions), not O(window x positions). With a ``horizon``, cycles also leave once that many
+    request-steps were ``served`` since them (the most recent ``keep`` stay): a window of cycles alone stops moving
+    while nothing drafts.
     """
 
     def __init__(self, window: int, positions: int, horizon: int | None = None, keep: int = 0) -> None:
         self.cycles: deque[tuple[int, int]] = deque()
         self.window, self.positions = window, positions
         self.horizon, self.keep = horizon, keep
-        self.tokens_served = 0  # tokens committed so far, drafted or not (``served``)
-        self._served_at: deque[int] = deque()  # ``tokens_served`` when each cycle in the window was observed
+        self.steps_served = 0  # request-steps served so far, drafting or not (``served``)
+        self._served_at: deque[int] = deque()  # ``steps_served`` when each cycle in the window was observed
         self.reached = [0] * positions  # cycles that drafted position j with every earlier one accepted
         self.passed = [0] * positions  # ... and accepted it (both as stats.cycle_positions counts them)
         self.drafted = self.accepted = 0
@@ -68,20 +68,21 @@ class AcceptanceTracker:
             return
         self._count(drafted, accepted, +1)
         self.cycles.append((drafted, accepted))
-        self._served_at.append(self.tokens_served)
+        self._served_at.append(self.steps_served)
         if len(self.cycles) > self.window:
             self._forget_oldest()
         self._forget_old()
 
-    def served(self, tokens: int) -> None:
-        """``tokens`` were committed (by any request, drafting or not): cycles ``horizon`` tokens old are forgotten."""
-        self.tokens_served += tokens
+    def served(self, steps: int) -> None:
+        """``steps`` request-steps were served (a step of a batch of B serves B, drafting or not): cycles ``horizon``
+        request-steps old are forgotten."""
+        self.steps_served += steps
         self._forget_old()
 
     def _forget_old(self) -> None:
         if self.horizon is None:
             return
-        while len(self.cycles) > self.keep and self._served_at[0] <= self.tokens_served - self.horizon:
+        while len(self.cycles) > self.keep and self._served_at[0] <= self.steps_served - self.horizon:
             self._forget_oldest()
 
     def _forget_oldest(self) -> None:

@@ -27,7 +27,7 @@ from dataclasses import replace
 from dflash_trt.errors import RequestError
 from dflash_trt.plugins.interface import Backend
 from dflash_trt.runtime.costs import CostModel
-from dflash_trt.runtime.planner import AutoPlanner, RequestMemory, session_prior
+from dflash_trt.runtime.planner import AutoPlanner, RequestMemory, probe_after, session_prior
 from dflash_trt.runtime.policy import AcceptanceTracker, SpeculationConfig, static_lengths
 from dflash_trt.runtime.prefill import prefill
 from dflash_trt.runtime.request import Cycle, RequestState
@@ -40,7 +40,8 @@ Subscriber = Callable[[StepReport], None]
 class _Active:
     def __init__(self, state: RequestState, sink: Sink, cancelled: threading.Event, window: int) -> None:
         self.state, self.sink, self.cancelled = state, sink, cancelled
-        self.memory = RequestMemory(state.block_len - 1, AcceptanceTracker(window, max(state.block_len - 1, 1)))
+        self.memory = RequestMemory(state.block_len - 1, AcceptanceTracker(window, max(state.block_len - 1, 1)),
+                                    probe_after=probe_after(state.params.max_new_tokens))
 
 
 class Scheduler:
@@ -155,6 +156,7 @@ class Scheduler:
         if self.speculation.mode == "auto":
             for entry in self.active:
                 entry.memory.context = entry.state.pending_context
+                entry.memory.generated = entry.state.start - len(entry.state.prompt_ids)
             plan = self.planner.plan([a.memory for a in self.active])
             for entry in self.active:
                 if entry.memory.retired and entry.state.uses_drafter:
@@ -225,7 +227,7 @@ class Scheduler:
                 self.prior.observe(drafted, accepted)
                 self.planner.observed(memory, drafted, accepted)
         if self.speculation.mode == "auto":
-            self.prior.served(len(report.rows) + sum(report.accepted))
+            self.prior.served(len(report.rows))
             self.planner.step_took(report.seconds)
 
     # ----------------------------------------------------------------- failures and slots

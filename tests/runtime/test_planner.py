@@ -10,8 +10,8 @@ from cost_tables import linear_costs
 
 from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
 from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, INFORMED_CYCLES,
-                                        PRIOR_CYCLES, PROBE_CYCLES, REALISED_STEPS, TRIAL_STEPS, AutoPlanner,
-                                        RequestMemory, session_prior)
+                                        PRIOR_CYCLES, PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_STEPS, TRIAL_STEPS,
+                                        AutoPlanner, RequestMemory, probe_after, session_prior)
 from dflash_trt.runtime.policy import AcceptanceTracker
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound
@@ -252,7 +252,7 @@ def serve_one_by_one(planner: AutoPlanner, costs: CostModel, requests: list[tupl
                 planner.observed(memory, length, accepted)
             committed = 1 + (accepted if length else 0)
             produced += committed
-            planner.prior.served(committed)
+            planner.prior.served(1)
             planner.step_took(costs.step(1, 1 if length else 0, length))
             lengths.append(length)
         served.append(lengths)
@@ -261,20 +261,22 @@ def serve_one_by_one(planner: AutoPlanner, costs: CostModel, requests: list[tupl
 
 def test_a_cold_session_whose_first_requests_draft_badly_drafts_for_the_good_ones_that_follow():
     """The bench's warm-up served the two prompts of the set that draft worst first; the session judged the
-    drafter by them, retired every request that followed, and a c=1 cell ran 1.05x instead of 1.6x."""
+    drafter by them, retired every request that followed, and a c=1 cell ran 1.05x instead of 1.6x. The cold session
+    measures plain decoding in one step and explores from its second, so the bad ones spend most of the starting
+    credit: the first good ones are probed as the credit refills, and the session drafts from the third on."""
     costs = engine_like_costs()
     served = serve_one_by_one(AutoPlanner(costs, AcceptanceTracker(256, 64)), costs, [(16, 0)] * 3 + [(96, 5)] * 30)
     probed = sum(1 for lengths in served[:3] for k in lengths if k)
     assert 1 <= probed <= INFORMED_CYCLES  # probed until the prior was informed, then plain
-    assert any(served[3])  # the first good request is explored ...
-    for lengths in served[4:]:
-        assert all(lengths), lengths  # ... and from the next one on every step of every good request drafts
+    assert any(served[3]) and any(served[4])  # the first good requests are explored ...
+    for lengths in served[5:]:
+        assert all(lengths), lengths  # ... and from the third on every step of every good request drafts
 
 
 def test_a_stretch_of_hard_requests_does_not_keep_the_easy_ones_after_it_plain():
     """After a stretch the drafter does badly on the batch decodes plainly, and then only probes (2 cycles a request)
     fed the session prior: a window of 256 cycles kept the hard stretch for ~128 requests, and the easy requests
-    after it decoded plainly too. The prior also forgets cycles ``PRIOR_HORIZON_TOKENS`` tokens old."""
+    after it decoded plainly too. The prior also forgets cycles ``PRIOR_HORIZON_STEPS`` request-steps old."""
     easy, hard = (128, 5), (128, 1)
     requests = [easy] * 8 + [hard] * 8 + [easy] * 16
     for prior, recovers in ((AcceptanceTracker(PRIOR_CYCLES, 64), False), (session_prior(), True)):
@@ -283,9 +285,9 @@ def test_a_stretch_of_hard_requests_does_not_keep_the_easy_ones_after_it_plain()
         assert all(all(lengths) for lengths in served[1:8])  # easy: every step drafts
         assert not any(served[13])  # hard: plain decoding
         after = [sum(1 for k in lengths if k) / len(lengths) for lengths in served[16:]]
-        assert all(share < 0.1 for share in after[:4])  # probed
-        # drafting again once the hard cycles are old (with the window alone, never)
-        assert all(share == 1.0 for share in after[-8:]) is recovers, after
+        assert after[0] < 0.1  # the first easy one is probed
+        # and from the next one on it drafts: the hard cycles are 256 request-steps old (with the window alone, never)
+        assert all(share == 1.0 for share in after[1:]) is recovers, after
 
 
 @pytest.mark.parametrize("scale", [0.7, 1.4])
@@ -300,10 +302,50 @@ def test_decisions_do_not_depend_on_how_fast_the_machine_is(scale):
 def test_one_cold_drafting_step_does_not_make_drafting_look_hopeless():
     """A request's first drafting step, taking in its prompt, ran 9 ms outside its forwards, the next ones 0.5 ms."""
     costs = engine_like_costs(drafting_overhead=False)
+    costs.record("verify", 1, 1, 0.9e-3)  # plain decoding measured in traffic (else the planner measures it first)
     costs.record_overhead(True, 1, 9e-3, took_in_context=True)
     planner = AutoPlanner(costs, prior_with([(15, 5)] * 100))
     plan = planner.plan([request()])
     assert plan.reason != "hopeless" and plan.lengths[0] >= 5
+
+
+def test_a_batch_whose_plain_decoding_traffic_measured_only_far_from_its_size_measures_it_before_judging():
+    """The calibration runs at short contexts. At 32k-token contexts on the simulated H200 its shape priced a plain
+    step of 29 rows at 3.3 ms where it costs 30 ms: traffic had measured plain decoding at 64 rows only (more than
+    twice 29) and drafting at every size the batch shrank through, so drafting looked hopeless at 29 and every
+    request retired for good (0.81 of static k=15 in that cell)."""
+    costs = CostModel(warming_steps=0)
+    for batch in (1, 16, 64):  # the calibration's shape: short contexts, a forward ~1 ms at any size
+        for width in (1, 16):
+            costs.calibrate("verify", batch, width, 1e-3)
+            costs.calibrate("draft", batch, width, 1e-3)
+    for _ in range(3):  # traffic at long contexts: plain decoding at 64 rows, drafting at 29
+        costs.record("verify", 64, 1, 60e-3)
+        costs.record_overhead(False, 64, 0.5e-3)
+        costs.record_overhead(True, 29, 1e-3)
+        for width in (2, 4, 8, 16):
+            costs.record("verify", 29, width, 30e-3 + 4e-3 * width)
+            costs.record("draft", 29, width, 2e-3)
+    planner = AutoPlanner(costs, prior_with([(15, 12)] * 100))
+    batch = [request() for _ in range(29)]
+    plan = planner.plan(batch)
+    assert plan.reason == "measure" and plan.lengths == [0] * 29 and not any(r.retired for r in batch)
+    costs.record("verify", 29, 1, 30e-3)  # the plain step it ran
+    plan = planner.plan(batch)  # made again at once (a measuring plan is not reused)
+    assert plan.reason == "exploit" and plan.lengths == [15] * 29
+
+
+def test_an_informed_session_probes_a_request_once_it_is_into_its_response_and_a_cold_one_at_once():
+    """The first cycles of a response are not like the rest (``PROBE_AFTER_TOKENS``): an informed session waits
+    for them to pass before it probes a request, and does not retire it meanwhile (it would never be probed)."""
+    new = RequestMemory(15, AcceptanceTracker(16, 15), probe_after=probe_after(max_new_tokens=128))
+    assert new.probe_after == PROBE_AFTER_TOKENS and probe_after(max_new_tokens=8) == 4
+    informed = AutoPlanner(measured(GPU), prior_with([(15, 0)] * 100))  # the drafter did badly lately
+    assert informed.plan([new]).lengths == [0] and not new.retired
+    new.generated = PROBE_AFTER_TOKENS
+    assert AutoPlanner(measured(GPU), prior_with([(15, 0)] * 100)).plan([new]).reason == "explore"
+    cold = RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS)
+    assert AutoPlanner(measured(GPU), AcceptanceTracker(256, 64)).plan([cold]).reason == "explore"
 
 
 def test_traffic_slower_than_the_calibration_does_not_make_drafting_look_cheaper():

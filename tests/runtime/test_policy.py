@@ -58,10 +58,10 @@ def test_tracker_counts_match_a_recount_of_its_window(window, positions, cycles)
        events=st.lists(st.one_of(st.tuples(st.just("served"), st.integers(1, 5)),
                                  st.integers(1, 6).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d)))),
                        max_size=30))
-def test_a_horizon_forgets_cycles_once_that_many_tokens_were_served_since_them_but_keeps_the_last(horizon, keep,
-                                                                                                   events):
-    """Cycles leave the window once ``horizon`` tokens were served after them (decoding plainly included), the
-    last ``keep`` excepted; what remains is counted exactly as a tracker that only ever saw it."""
+def test_a_horizon_forgets_cycles_once_that_many_request_steps_were_served_since_them_but_keeps_the_last(
+        horizon, keep, events):
+    """Cycles leave the window once ``horizon`` request-steps were served after them (decoding plainly included),
+    the last ``keep`` excepted; what remains is counted exactly as a tracker that only ever saw it."""
     tracker, stamped, served = AcceptanceTracker(6, 4, horizon=horizon, keep=keep), [], 0
     for event in events:
         if event[0] == "served":

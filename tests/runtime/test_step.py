@@ -132,12 +132,14 @@ def test_static_speculation_times_nothing_and_feeds_no_cost_model(monkeypatch):
 def test_auto_speculation_feeds_the_cost_model_and_the_planner_from_the_report():
     with Session.from_checkpoints(max_batch=2, speculation=SpeculationConfig(mode="auto")) as session:
         before = sum(session.costs.mark().values())
+        rows: list[int] = []
+        session._scheduler.subscribe(lambda report: rows.append(len(report.rows)))
         results = [h.result() for h in [session.submit(p, SamplingParams(max_new_tokens=24, stop_token_ids=()))
                                         for p in PROMPTS[:2]]]
     # closed: the worker has run the subscribers of its last step too (they run after the cycles are handed over)
     assert sum(session.costs.mark().values()) > before
     assert session._scheduler.prior.drafted == sum(r.stats.num_draft_tokens for r in results)
-    assert session._scheduler.prior.tokens_served == sum(len(r.token_ids) for r in results)  # drafted or not
+    assert session._scheduler.prior.steps_served == sum(rows) > 0  # a request-step per row of each step, drafted or not
 
 
 def test_a_requests_first_draft_takes_in_its_prompt_and_the_report_says_so():
