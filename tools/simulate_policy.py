@@ -64,8 +64,9 @@ def table(out: Path, seed: int, requests_per_slot: int, jobs: int) -> None:
              for w in simulate.WORKLOADS]
     with ProcessPoolExecutor(jobs) as pool:  # cells are independent and deterministic by seed
         rows = list(pool.map(_cell, cells))
+    shown = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out  # as typed in the repo
     text = simulate.render(rows, seed=seed, requests_per_slot=requests_per_slot,
-                           command=f"python tools/simulate_policy.py table --out {out}"
+                           command=f"python tools/simulate_policy.py table --out {shown}"
                                    + (f" --seed {seed}" if seed else "")
                                    + (f" --requests-per-slot {requests_per_slot}" if requests_per_slot != 4 else ""))
     old = out.read_text(encoding="utf-8") if out.is_file() else ""
