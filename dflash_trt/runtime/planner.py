@@ -294,7 +294,7 @@ class AutoPlanner:
         if one does and the credit covers the step's predicted net cost; else None."""
         explorers = [i for i, r in enumerate(requests)  # a cold session probes at once: anything beats nothing
                      if wanted[i] and (r.ready or not self.informed) and not (r.probed and self.informed)]
-        if not explorers or not self.costs.known(len(requests), 0, 0):  # a probe is charged against plain steps
+        if not explorers:  # (plain decoding is measured at this batch size: ``_decide`` saw to it)
             return None
         explorers = sorted(explorers, key=lambda i: requests[i].context)[:PROBE_ROWS]
         batch = len(requests)
