@@ -2,6 +2,8 @@
 # make test : create .venv, install with dev dependencies, run the test suite
 # make plugin-check : compile the TensorRT plugin against ../shared/vendor/tensorrt headers, host-test it (no GPU, no venv)
 PYTHON ?= python3
+# test processes: each runs whole test files (their module fixtures build engines once), torch on one thread each
+TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
@@ -30,7 +32,7 @@ demo: $(VENV)/.installed
 	$(BIN)/dflash-trt demo
 
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 plugin-check:
 	$(PYTHON) -m dflash_trt.plugins.tensorrt.plugin_check

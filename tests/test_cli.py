@@ -126,4 +126,5 @@ def test_inspect_prints_a_path_with_brackets_literally(tmp_path):
         shutil.copy(source, folder / source.name)
     result = CliRunner().invoke(main, ["inspect", str(folder / embedded_target_path().name)])
     assert result.exit_code == 0, result.output
-    assert "[red]model" in result.output and "[bold]" in result.output  # the title may wrap between them
+    printed = "".join(result.output.split())  # the title wraps where the path's length puts it
+    assert f"{folder}/".replace(" ", "") in printed
