@@ -69,17 +69,57 @@ def test_the_oracle_and_drafting_win_where_they_should(traces):
 
 
 # ---- the issue's bars, on every regime x concurrency, in domain and with an untrained drafter ----
-# (docs/adaptive.md has the full table: more requests, longer outputs, five workloads)
+# (docs/adaptive.md has the full table: five workloads at seed 0, summarised at seeds 1 and 2)
 
 CI_WORKLOADS = ("stories_t0", "untrained")
-CI_SCALE = {"requests_per_slot": 1, "max_tokens": 32,
-            "policies": ("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto")}
+FIXED_AND_AUTO = ("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto")
+SEEDS = (0, 1, 2)
+COLD_PROBE_INTAKE = ("a cold session's first probe (4 rows) takes in four 32k-token prompts: 42-54 ms against the 8-20 "
+                     "ms predicted, more than the starting bank (8 plain steps of one request, 26 ms); the batch then "
+                     "decodes plainly for 16-24 steps until 2% of the time served repays the debt, while static k=15 "
+                     "drafts from its first step at 3.2-3.3x plain, and in a run of ~3 simulated seconds those steps "
+                     "weigh 5-8%; charging a cold probe no more than predicted fixed both cells but left two cells of "
+                     "the docs table below 0.95x plain at seed 0 (docs/adaptive.md, \"Tried and dropped: a cold "
+                     "probe's prompt intake\")")
+TABLE_MISSES: dict[tuple[str, int, str, int], str] = {  # (regime, concurrency, workload, seed) -> why auto misses
+    ("h200-32k", 4, "stories_t0", 1): COLD_PROBE_INTAKE,
+    ("h200-32k", 16, "stories_t0", 1): COLD_PROBE_INTAKE,
+    ("compute-bound", 64, "untrained", 1): (
+        "0.948x plain: exploring costs what the policy allows (probes of 4 new requests at k=1, 2.4% of the run: the "
+        "starting bank plus 2% of the time served), requests waiting with their drafter for their probe 16 tokens in "
+        "compute context taps in their verifies (1.4%), and the rest is where the seed's load bursts fall (its plain "
+        "steps, priced as the session measured them, add up to 1.5% more than the plain run took); the bar leaves "
+        "5%"),
+    ("cpu", 4, "stories_t0", 2): (
+        "1.06x plain against static k=7's 1.16x: after 80 steps of k=7 (1.09x realised) a stretch of hard requests "
+        "brought the session prior below plain decoding, k=3 was exploited and lost (0.81x), the batch retired, and "
+        "new requests were probed at k=3 (the length the prior expects to cost least), which loses on this regime, "
+        "so the batch decoded plainly for 568 of its 695 steps"),
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("concurrency", simulate.CONCURRENCIES)
+@pytest.mark.parametrize("workload", CI_WORKLOADS)
+def test_auto_is_within_5_percent_of_plain_and_of_the_best_fixed_choice(traces, regime, concurrency, workload, seed,
+                                                                         request):
+    """The docs table's cells for these workloads, at its scale (4 requests per slot, at least 32; whole responses
+    of up to 128 tokens) and its three seeds: enough traffic to tell plain decoding and the draft lengths apart."""
+    reason = TABLE_MISSES.get((regime, concurrency, workload, seed))
+    if reason:
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    cell = simulate.cell(regime, concurrency, traces[workload], seed=seed, policies=FIXED_AND_AUTO)
+    assert cell.ratio("auto") >= simulate.BAR * cell.best_fixed, simulate.failures([cell])
+
+
+ONE_SHORT_WAVE = {"requests_per_slot": 1, "max_tokens": 32, "policies": FIXED_AND_AUTO}
 SHORT_COLD = ("at this scale (32-token requests: on a GPU one ends in ~8 cycles, a run in ~30 steps) the cold start "
               "weighs: a plain step to price probes against, probes of 4 rows until the prior holds 8 cycles, 2 trial "
               "steps per length priced from the calibrated shape alone (the first takes in every row's prompt), and "
               "the starting exploration bank (8 plain steps of one request) is ~15% of a run at c=64; at the docs "
               "table's scale (128 tokens, 4 requests per slot) this cell passes")
-KNOWN_FAILURES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, workload) -> why auto misses the bar
+SHORT_MISSES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, workload) -> why auto misses the bar
     **{(regime, concurrency, "stories_t0"): SHORT_COLD
        for regime, concurrency in (("h200-1k", 16), ("h200-32k", 16), ("h200-32k", 64), ("compute-bound", 64))},
     **{(regime, concurrency, "untrained"): SHORT_COLD.replace("this cell passes", "this cell passes (0.95-0.99x)")
@@ -102,12 +142,13 @@ KNOWN_FAILURES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, wor
 @pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize("concurrency", simulate.CONCURRENCIES)
 @pytest.mark.parametrize("workload", CI_WORKLOADS)
-def test_auto_is_within_5_percent_of_plain_and_of_the_best_fixed_choice(traces, regime, concurrency, workload,
-                                                                         request):
-    reason = KNOWN_FAILURES.get((regime, concurrency, workload))
+def test_auto_meets_the_bar_on_one_wave_of_short_requests(traces, regime, concurrency, workload, request):
+    """One request per slot (at least 32), each cut at 32 tokens: a cold session's whole life is a few dozen steps,
+    and what its start-up costs is most of what it loses."""
+    reason = SHORT_MISSES.get((regime, concurrency, workload))
     if reason:
         request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
-    cell = simulate.cell(regime, concurrency, traces[workload], **CI_SCALE)
+    cell = simulate.cell(regime, concurrency, traces[workload], **ONE_SHORT_WAVE)
     assert cell.ratio("auto") >= simulate.BAR * cell.best_fixed, simulate.failures([cell])
 
 
