@@ -21,7 +21,8 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    prior is not informed) draft their full block, if a drafter better than the prior (each α halfway to 1, or
    optimistic while the prior has few cycles) would pay at this batch and the *exploration credit* covers the step's
    predicted net cost. The credit is time: a session starts with ``COLD_PLAIN_STEPS`` plain steps' worth (at most
-   ``COLD_CAP_S`` seconds), and every step served adds ``EXPLORE_FRACTION`` of its time, up to that starting bank.
+   ``COLD_CAP_S`` seconds), and every step served adds ``EXPLORE_FRACTION`` of its time, up to that starting bank (a
+   share of it where such a better drafter would gain less than 2x at this batch: ``FULL_WORTH_GAIN``).
    An exploration is charged what it cost: its measured time less the plain-decoding time of the tokens it
    committed. So exploration costs at most the starting bank plus ``EXPLORE_FRACTION`` of the time served, however
    many requests arrive; a cold session's exploring included (before the prior is informed, drafting is exploring).
@@ -54,6 +55,15 @@ from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length, ex
 
 EXPLORE_FRACTION = 0.02
 """Exploration may cost at most this fraction of the time served (beyond the starting bank)."""
+
+FULL_WORTH_GAIN = 1.0
+"""Time served earns the whole ``EXPLORE_FRACTION`` where a drafter better than the session prior (``_hopeful``) would
+run at least ``1 + FULL_WORTH_GAIN`` times plain decoding's rate at the batch size (2x), and a share in proportion below
+it (what it would gain over plain decoding, over this): a probe is worth what it could find. Where even a better drafter
+would barely pay, probing every new request cost more than it could win (0.01-0.04 of plain decoding's throughput on the
+simulated CPU and compute-bound GPU at c=4-64, out of domain or untrained; docs/adaptive.md, "Exploration worth what it
+could find"). At 3x, an ONNX Runtime engine at c=1 took longer to probe its way back to drafting after a stretch of hard
+stories (0.82-0.84 of static against 0.86-0.98)."""
 
 COLD_PLAIN_STEPS = 8
 """A session's starting exploration bank, in plain steps of one request (a probe at batch 64 on a CPU costs ~14
@@ -159,6 +169,7 @@ class AutoPlanner:
         self._batch: list[RequestMemory] = []  # the requests ``_plan`` was made for (held: ids stay theirs)
         self._age = 0  # steps ``_plan`` has served
         self._trial = 0  # consecutive steps of trying a length whose cost is a guess
+        self._worth = 1.0  # share of ``EXPLORE_FRACTION`` the time served earns (``FULL_WORTH_GAIN``; 1 until informed)
         # (batch size, drafting) -> its last steps' (tokens committed, seconds over the load they ran at)
         self._realised: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
 
@@ -171,24 +182,24 @@ class AutoPlanner:
         self._accepted += accepted
 
     def step_took(self, seconds: float) -> None:
-        """The step just run took ``seconds``: it earns ``EXPLORE_FRACTION`` of them, and a drafting step is charged
-        what it cost over plain decoding's time for the tokens it committed (a gain refills the credit). An exploiting
-        step's loss drains the credit to minus the starting bank at most: it is not exploring (its length was measured
-        and predicted to win), and the debt a stretch of hard requests ran up kept a session that then retired them
-        from probing new requests for seconds (~120 ms of debt at 2% of the time served: ~6 s, while static drafting
-        won 1.45x on an ONNX Runtime engine at c=1; docs/adaptive.md, "Exploit losses lock exploration out"). Some
-        debt stays: with none, a session whose drafter loses kept probing each new request (the simulator's CPU at
-        c=1, out of domain: 0.94x plain against 0.98x). A session's
-        warming drafting steps (``CostModel.last_step_warming``) are charged at most what the costs predicted: their
-        excess is the session's one-off warm-up, which any drafting policy pays, and on a small model the first one
-        alone spent the whole starting bank."""
+        """The step just run took ``seconds``: it earns ``EXPLORE_FRACTION`` of them (a share of that where a probe
+        could find little: ``FULL_WORTH_GAIN``), and a drafting step is charged what it cost over plain decoding's time
+        for the tokens it committed (a gain refills the credit). An exploiting step's loss drains the credit to minus
+        the starting bank at most: it is not exploring (its length was measured and predicted to win), and the debt a
+        stretch of hard requests ran up kept a session that then retired them from probing new requests for seconds
+        (~120 ms of debt at 2% of the time served: ~6 s, while static drafting won 1.45x on an ONNX Runtime engine at
+        c=1; docs/adaptive.md, "Exploit losses lock exploration out"). Some debt stays: with none, a session whose
+        drafter loses kept probing each new request (the simulator's CPU at c=1, out of domain: 0.94x plain against
+        0.98x). A session's warming drafting steps (``CostModel.last_step_warming``) are charged at most what the costs
+        predicted: their excess is the session's one-off warm-up, which any drafting policy pays, and on a small model
+        the first one alone spent the whole starting bank."""
         plan = self._plan
         if plan is None or self.credit_s is None:
             return
         batch = len(plan.lengths)
         steps = self._realised.setdefault((batch, any(plan.lengths)), deque(maxlen=REALISED_STEPS))
         steps.append((batch + self._accepted, seconds / self.costs.load))
-        self.credit_s += EXPLORE_FRACTION * seconds
+        self.credit_s += EXPLORE_FRACTION * self._worth * seconds
         if plan.reason in ("explore", "exploit"):  # settled against plain decoding's time for the same tokens
             if self.costs.last_step_warming:
                 drafting = sum(1 for length in plan.lengths if length)
@@ -235,10 +246,13 @@ class AutoPlanner:
         longest = max(capable)
         if not self._could_gain(batch, sum(1 for w in capable if w), longest, plain_step):
             self._retire(requests, live)
+            self._worth = 0.0
             return Plan([0] * batch, "hopeless", plain_step)
         prior = self.prior.conditional()
         wanted = [r.wanted if i in live else 0 for i, r in enumerate(requests)]
         if self.informed:
+            _, hopeful = auto_length(self.costs, [self._hopeful(prior)] * batch, capable)  # what a probe could find
+            self._worth = min(max((max(hopeful.values()) / hopeful[0] - 1) / FULL_WORTH_GAIN, 0.0), 1.0)
             _, rates = auto_length(self.costs, [prior] * batch, wanted)
             for length in sorted((k for k in rates if k and rates[k] > (1 + MARGIN) * rates[0]), key=rates.get,
                                  reverse=True):

@@ -84,17 +84,11 @@ COLD_PROBE_INTAKE = ("a cold session's first probe (4 rows) takes in four 32k-to
 TABLE_MISSES: dict[tuple[str, int, str, int], str] = {  # (regime, concurrency, workload, seed) -> why auto misses
     ("h200-32k", 4, "stories_t0", 1): COLD_PROBE_INTAKE,
     ("h200-32k", 16, "stories_t0", 1): COLD_PROBE_INTAKE,
-    ("compute-bound", 64, "untrained", 1): (
-        "0.948x plain: exploring costs what the policy allows (probes of 4 new requests at k=1, 2.4% of the run: the "
-        "starting bank plus 2% of the time served), requests waiting with their drafter for their probe 16 tokens in "
-        "compute context taps in their verifies (1.4%), and the rest is where the seed's load bursts fall (its plain "
-        "steps, priced as the session measured them, add up to 1.5% more than the plain run took); the bar leaves "
-        "5%"),
     ("cpu", 4, "stories_t0", 2): (
-        "1.06x plain against static k=7's 1.16x: after 80 steps of k=7 (1.09x realised) a stretch of hard requests "
+        "1.05x plain against static k=7's 1.16x: after 80 steps of k=7 (1.09x realised) a stretch of hard requests "
         "brought the session prior below plain decoding, k=3 was exploited and lost (0.81x), the batch retired, and "
         "new requests were probed at k=3 (the length the prior expects to cost least), which loses on this regime, "
-        "so the batch decoded plainly for 568 of its 695 steps"),
+        "so the batch decoded plainly for 618 of its 731 steps"),
 }
 
 
@@ -129,13 +123,6 @@ SHORT_MISSES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, workl
                                "response's first draft takes in its prompt, a one-off the per-step prediction leaves "
                                "out, and auto follows k=7 (0.94x); at the docs table's scale static k=7 wins 1.13x "
                                "and auto 1.11x"),
-    ("cpu", 16, "untrained"): ("a request waits with its drafter until it is 16 tokens into its response (its probe "
-                               "is to measure the drafter past a response's first cycles), so its verify forwards "
-                               "keep computing context taps for half of a 32-token response (~7% of a step on this "
-                               "regime); retiring it before its probe when the credit could not cover the probe "
-                               "fixed this cell (0.97x) but left the simulated H200 at c=64 on spec_bench_t0 at "
-                               "0.61x the best static (seed 2), where the batch retired every new request during a "
-                               "hard stretch and never drafted again; at the docs table's scale this cell passes"),
 }
 
 

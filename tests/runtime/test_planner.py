@@ -9,10 +9,11 @@ import pytest
 from cost_tables import linear_costs
 
 from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
-from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, INFORMED_CYCLES,
+from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, FULL_WORTH_GAIN,
+                                        INFORMED_CYCLES,
                                         PRIOR_CYCLES, PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_STEPS, TRIAL_STEPS,
                                         AutoPlanner, RequestMemory, probe_after, session_prior)
-from dflash_trt.runtime.policy import AcceptanceTracker
+from dflash_trt.runtime.policy import AcceptanceTracker, auto_length
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound
 GPU = dict(verify_base=1e-3, verify_per_token=1e-7, draft_base=3e-4, draft_per_token=1e-7)  # width ~free
@@ -420,3 +421,26 @@ def test_an_exploiting_steps_loss_leaves_a_debt_of_at_most_the_bank_and_an_explo
     exploring.step_took(1.0)
     assert exploring.credit_s == pytest.approx(bank + EXPLORE_FRACTION - (1.0 - plan.plain_step_s))
     assert exploring.credit_s < -10 * exploring.bank_s
+
+
+@pytest.mark.parametrize("machine, share", [(GPU, 1.0), (MIDDLE, None)])
+def test_time_served_earns_exploration_in_proportion_to_what_a_better_drafter_could_gain(machine, share):
+    """A probe is worth what it could find: where a drafter better than the prior would run at least
+    ``1 + FULL_WORTH_GAIN`` times plain decoding's rate at this batch size (width is nearly free: the GPU's costs),
+    time served earns the whole ``EXPLORE_FRACTION``; where it would gain less (each token of width costs: the middle
+    machine's, at a batch of 4), a share in proportion."""
+    planner = AutoPlanner(measured(machine), prior_with([(15, 0)] * 50))
+    batch = [request() for _ in range(4)]
+    for r in batch:  # probed already: nothing to explore, the batch decodes plainly
+        r.tracker.observe(15, 0)
+        r.tracker.observe(15, 0)
+    planner.plan(batch)
+    hopeful = auto_length(planner.costs, [planner._hopeful(planner.prior.conditional())] * 4, [15] * 4)[1]
+    gain = max(hopeful.values()) / hopeful[0]
+    expected = share if share is not None else (gain - 1) / FULL_WORTH_GAIN
+    assert share is not None or 0 < expected < 1  # the middle machine: a better drafter would gain, but little
+    planner.credit_s, planner.bank_s = 0.0, 1.0
+    for _ in range(100):
+        planner.plan(batch)
+        planner.step_took(1e-3)
+    assert planner.credit_s == pytest.approx(EXPLORE_FRACTION * 100 * 1e-3 * expected)
