@@ -119,3 +119,14 @@ def test_bench_prints_both_sessions_kv_caches_at_the_context_its_requests_need(t
     assert len(lines) == 2 and lines[0] == lines[1]  # the static and the adaptive session
     assert 4 < int(lines[0][1]) < 512  # the longest prompt + 4, not the model's 512 positions
     assert lines[0][2] == "bfloat16"
+
+
+@pytest.mark.parametrize("extra, named", [(("--engine", "{tmp}"), "--engine"), ((), "the peers")])
+def test_bench_refuses_a_device_it_would_not_use(extra, named, tmp_path):
+    """Off the CPU, ``bench`` runs checkpoints on the torch backend only, and the transformers peer runs on the CPU:
+    a ``--device`` it would not honour is refused before anything loads, naming what conflicts."""
+    args = [a.format(tmp=tmp_path) for a in extra]
+    result = invoke("bench", "--device", "cuda", *args, "--out", str(tmp_path / "report"))
+    assert isinstance(result.exception, RequestError)
+    message = str(result.exception)
+    assert f"--device is cuda with {named}" in message and "Fix:" in message

@@ -30,6 +30,7 @@ for arg in "$@"; do
 done
 OUT="${OUT:-${OUT_DIR:-gpu-check-out}}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"  # absolute: PYTHONPATH entries below must hold from any working directory
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 PY="${PYTHON:-python3}"
 # seconds per part: machine, install, plugin, tests, A/B (sum 440 s, under the 8-minute promise with the checks between)
@@ -73,7 +74,7 @@ for name, dist in (('tensorrt', 'tensorrt'), ('tensorrt_llm', 'tensorrt_llm')):
   MISSING=""
   if [ -n "${DFLASH_WHEELS:-}" ] && [ "$DRY" != 1 ]; then
     limited "${PART_LIMITS[1]}" "$PY" -m pip install -q --no-deps --no-index --target "$OUT/pylib" "$DFLASH_WHEELS"/*.whl \
-      && export PYTHONPATH="$PWD/$OUT/pylib${PYTHONPATH:+:$PYTHONPATH}"
+      && export PYTHONPATH="$OUT/pylib${PYTHONPATH:+:$PYTHONPATH}"
   fi
   MISSING=$("$PY" -c "import importlib.util as u; print(''.join(' ' + m for m in '$BASE_MODULES'.split() if u.find_spec(m) is None))")
   if [ "$DRY" = 1 ]; then

@@ -53,6 +53,8 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
               help="With --target: weights, compute and KV cache dtype of our runtime and of the transformers peer, "
               "which runs on the same tensors (default auto: the checkpoint's).")
+@click.option("--device", default="cpu", show_default=True,
+              help="With checkpoints (torch backend): cpu, cuda or cuda:N. Off the CPU, pass --no-peers.")
 @click.option("--gpu-hour-cost", type=float, default=None, help="USD per machine-hour, for cost per 1k tokens.")
 @click.option("--no-peers", is_flag=True, help="Skip transformers generate() and the dflash reference.")
 @click.option("--no-adaptive", is_flag=True, help="Skip DFlash with the `auto` (cost-model) speculation policy.")
@@ -68,8 +70,8 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--api-key", default=None, help="With --endpoint: sent as `Authorization: Bearer KEY`.")
 @click.option("--ignore-eos", is_flag=True, help="With --endpoint: ask for exactly --max-new-tokens per request.")
 def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, concurrency, block_len, temperature,
-                  max_new_tokens, max_seq_len, dtype, gpu_hour_cost, no_peers, no_adaptive, repeats, seed, out, endpoints,
-                  request_rate, goodput, api_key, ignore_eos) -> None:
+                  max_new_tokens, max_seq_len, dtype, device, gpu_hour_cost, no_peers, no_adaptive, repeats, seed,
+                  out, endpoints, request_rate, goodput, api_key, ignore_eos) -> None:
     """Benchmark DFlash against plain decoding in the same runtime, on the same requests (or, with --endpoint,
     live servers from the client side)."""
     if endpoints:
@@ -82,6 +84,10 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
     if engine is not None and dtype is not None:
         raise RequestError(f"--dtype is {dtype} with --engine; an engine runs in the dtype it was built in. Fix: "
                            "drop --dtype, or rebuild the engine from a checkpoint in that dtype.")
+    if device != "cpu" and (engine is not None or not no_peers):
+        raise RequestError(f"--device is {device} with {'--engine' if engine is not None else 'the peers'}; expected "
+                           "--device cpu there (an engine's backend places its own weights; the peers run on the "
+                           "CPU). Fix: drop --device, or benchmark checkpoints with --no-peers.")
     from rich.progress import Progress
 
     from dflash_trt.bench.harness import BenchConfig, load_prompt_sets, run_benchmark
@@ -98,12 +104,12 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         gpu_hour_cost=gpu_hour_cost, peers=not no_peers, adaptive=not no_adaptive, repeats=repeats)
     max_batch = max(config.concurrency)
     prompt_sets = load_prompt_sets(config)
-    session = _open_session(target, draft, engine, max_batch, max_seq_len, dtype, prompt_sets, config)
+    session = _open_session(target, draft, engine, max_batch, max_seq_len, dtype, device, prompt_sets, config)
     adaptive = None
     if config.adaptive and session.pair.draft is not None:
         adaptive = Session(session.pair, backend=getattr(session.backend, "name", "torch"),
                            max_seq_len=session.max_seq_len, engine=getattr(session, "engine", None),
-                           max_batch=max_batch, speculation=SpeculationConfig(mode="auto"),
+                           max_batch=max_batch, speculation=SpeculationConfig(mode="auto"), device=device,
                            announce=lambda line: click.echo(f"{line} for the adaptive (speculation auto) session",
                                                             err=True))
     peers, notes = ({}, ["peers disabled (--no-peers)"]) if no_peers else available_peers(
@@ -139,7 +145,8 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
             click.echo(f"{'':>12} {cost_line(cell)}")
 
 
-def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None, dtype: str, prompt_sets, config):
+def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None, dtype: str, device: str,
+                  prompt_sets, config):
     """The benchmarked session, its context ``max_seq_len`` or what the requests need (``context_needed``)."""
     from dflash_trt.bench.harness import context_needed
     from dflash_trt.formats.load import SESSION_DTYPE, load_pair
@@ -161,7 +168,7 @@ def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None
     if max_seq_len is not None and engine is not None and max_seq_len > limit:
         raise RequestError(f"--max-seq-len is {max_seq_len}; expected <= {limit}, the engine's build limit. Fix: pass "
                            f"--max-seq-len {limit} or less, or rebuild the engine with --max-seq-len {max_seq_len}.")
-    return Session(pair, backend=backend, engine=loaded, max_seq_len=max_seq_len, max_batch=max_batch,
+    return Session(pair, backend=backend, engine=loaded, max_seq_len=max_seq_len, max_batch=max_batch, device=device,
                    announce=lambda line: click.echo(line, err=True))
 
 

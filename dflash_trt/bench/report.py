@@ -57,6 +57,7 @@ def conditions(session, config: BenchConfig, prompt_sets: list[PromptSet], notes
         "backend": getattr(session.backend, "name", type(session.backend).__name__),
         "execution": getattr(session.backend, "execution", None),  # torch: eager or the compiler of its forwards
         "dtype": str(pair.target.embed_tokens.weight.dtype).removeprefix("torch."),
+        "device": str(pair.target.embed_tokens.weight.device),
         "engine_manifest_sha256": getattr(session, "manifest_sha256", None),
         "hardware": {"machine": platform.machine(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
                      "torch_threads": torch.get_num_threads(),
