@@ -7,7 +7,8 @@
 # Needs: an NVIDIA GPU and a python3 (3.11 or 3.12; PYTHON=...) with a CUDA build of torch 2.x (>= 2.6) and this
 #   project's base dependencies already installed; the check installs this package with
 #   `pip install --no-deps --no-build-isolation -e .` and never resolves or downloads anything. Dependencies the
-#   machine lacks can be supplied as wheels: DFLASH_WHEELS=DIR installs every DIR/*.whl with --no-deps first.
+#   machine lacks can be supplied as wheels: DFLASH_WHEELS=DIR installs, with --no-deps, each DIR/*.whl whose
+#   distribution this python lacks.
 # Optional, each enabling a part: TensorRT 10.x/11.x for the plan builds and the plugin inside TensorRT;
 #   TensorRT-LLM >= 1.3.0rc27 for the bundle runner; TensorRT headers for the plugin check (TENSORRT_HEADERS=DIR of
 #   <version>/include folders; default ../shared/vendor/tensorrt) and a CUDA 13 nvcc (CUDA_HOME, else the nvcc on
@@ -73,8 +74,17 @@ for name, dist in (('tensorrt', 'tensorrt'), ('tensorrt_llm', 'tensorrt_llm')):
   part 2 "install: this package with --no-deps (nothing resolved or downloaded)"
   MISSING=""
   if [ -n "${DFLASH_WHEELS:-}" ] && [ "$DRY" != 1 ]; then
-    limited "${PART_LIMITS[1]}" "$PY" -m pip install -q --no-deps --no-index --target "$OUT/pylib" "$DFLASH_WHEELS"/*.whl \
-      && export PYTHONPATH="$OUT/pylib${PYTHONPATH:+:$PYTHONPATH}"
+    # only the distributions this python lacks: a wheel of one it has would shadow it (a machine's transformers needs
+    # its own tokenizers, not the pinned one)
+    WHEELS=$("$PY" -c "import glob, importlib.metadata as m, os
+for wheel in sorted(glob.glob(os.path.join('$DFLASH_WHEELS', '*.whl'))):
+    try: m.version(os.path.basename(wheel).split('-')[0])
+    except m.PackageNotFoundError: print(wheel)")
+    if [ -n "$WHEELS" ]; then
+      echo "installing from DFLASH_WHEELS:" $(basename -a $WHEELS)
+      limited "${PART_LIMITS[1]}" "$PY" -m pip install -q --no-deps --no-index --target "$OUT/pylib" $WHEELS \
+        && export PYTHONPATH="$OUT/pylib${PYTHONPATH:+:$PYTHONPATH}"
+    fi
   fi
   MISSING=$("$PY" -c "import importlib.util as u; print(''.join(' ' + m for m in '$BASE_MODULES'.split() if u.find_spec(m) is None))")
   if [ "$DRY" = 1 ]; then
