@@ -6,6 +6,7 @@ on copies of ``csrc/`` with one thing broken, beside the unmodified sources as t
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -25,8 +26,9 @@ from dflash_trt.plugins.tensorrt.plugin_check import (
     header_sets,
 )
 
-needs_headers = pytest.mark.skipif(not DEFAULT_HEADERS.is_dir(),
-                                   reason=f"vendored TensorRT headers not found at {DEFAULT_HEADERS}")
+HEADERS = Path(os.environ.get("TENSORRT_HEADERS", DEFAULT_HEADERS))  # as `make plugin-check` and gpu_check.sh
+needs_headers = pytest.mark.skipif(not HEADERS.is_dir(), reason=f"TensorRT headers not found at {HEADERS} (set "
+                                   "TENSORRT_HEADERS=DIR of <version>/include folders)")
 ONE_ARCH = ("90",)
 
 
@@ -46,8 +48,8 @@ def _broken_copy(tmp_path: Path, old: str, new: str, source: str = build_plugin.
 
 @needs_headers
 def test_unmodified_sources_pass_for_every_header_set(tmp_path, toolkit):
-    results = check_plugin(headers=DEFAULT_HEADERS, work=tmp_path / "work", toolkit=toolkit, architectures=ONE_ARCH)
-    assert [r.version for r in results] == [version for version, _ in header_sets(DEFAULT_HEADERS)]
+    results = check_plugin(headers=HEADERS, work=tmp_path / "work", toolkit=toolkit, architectures=ONE_ARCH)
+    assert [r.version for r in results] == [version for version, _ in header_sets(HEADERS)]
     assert len(results) >= 2 and all(r.checks_passed >= 40 for r in results)
     assert all(r.fields == (("scale", "float"), ("window", "int"), ("causal", "int")) for r in results)
 
@@ -62,7 +64,7 @@ def test_unmodified_sources_pass_for_every_header_set(tmp_path, toolkit):
 def test_an_override_with_a_changed_signature_fails_the_check(tmp_path, toolkit, old, new, message):
     csrc = _broken_copy(tmp_path, old, new)
     with pytest.raises(PluginCheckError, match=message) as failure:
-        check_plugin(csrc, DEFAULT_HEADERS, tmp_path / "work", toolkit, ONE_ARCH)
+        check_plugin(csrc, HEADERS, tmp_path / "work", toolkit, ONE_ARCH)
     assert "block_attention_plugin.cpp" in str(failure.value)
 
 
@@ -72,14 +74,14 @@ def test_a_plugin_accepting_half_precision_fails_the_host_check(tmp_path, toolki
                         "return (inOut[pos].desc.type == DataType::kFLOAT ||\n"
                         "        inOut[pos].desc.type == DataType::kHALF) &&")
     with pytest.raises(PluginCheckError, match="FAIL formats: exactly float32 linear"):
-        check_plugin(csrc, DEFAULT_HEADERS, tmp_path / "work", toolkit, ONE_ARCH)
+        check_plugin(csrc, HEADERS, tmp_path / "work", toolkit, ONE_ARCH)
 
 
 @needs_headers
 def test_a_plugin_accepting_a_malformed_serialized_blob_fails_the_host_check(tmp_path, toolkit):
     csrc = _broken_copy(tmp_path, "return !serialized || (seenScale && seenWindow && seenCausal);", "return true;")
     with pytest.raises(PluginCheckError, match="FAIL serialize: malformed blob with a missing field refused"):
-        check_plugin(csrc, DEFAULT_HEADERS, tmp_path / "work", toolkit, ONE_ARCH)
+        check_plugin(csrc, HEADERS, tmp_path / "work", toolkit, ONE_ARCH)
 
 
 def test_creator_fields_must_match_the_schema():
@@ -113,7 +115,7 @@ def test_build_without_headers_exits_2_with_one_clear_error(tmp_path, monkeypatc
 
 @needs_headers
 def test_build_plugin_makes_a_library_with_no_libnvinfer_dependency(tmp_path, toolkit):
-    include = header_sets(DEFAULT_HEADERS)[-1][1]
+    include = header_sets(HEADERS)[-1][1]
     library = build_plugin.build_plugin_library(tmp_path, ONE_ARCH, include, toolkit)
     assert sorted(p.name for p in tmp_path.iterdir()) == [build_plugin.LIBRARY_NAME]
     needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
@@ -135,7 +137,7 @@ def test_the_build_command_uses_the_cuda_build_wheels_an_interpreter_imports(tmp
     if (toolkit.root.parent.name, toolkit.root.name) != ("nvidia", "cu13"):
         pytest.skip(f"the CUDA toolkit in use ({toolkit.root}) is not the cuda-build wheels")
     wheels_root = toolkit.root.parents[1]  # <root>/nvidia/cu13
-    include = header_sets(DEFAULT_HEADERS)[-1][1]
+    include = header_sets(HEADERS)[-1][1]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPOSITORY}:{wheels_root}", "HOME": str(tmp_path)}
     result = subprocess.run([sys.executable, "-m", "dflash_trt.plugins.tensorrt.build_plugin", str(tmp_path / "lib"),
                              "--arch", "90", "--tensorrt-include", str(include)], capture_output=True, text=True,
