@@ -10,9 +10,8 @@ from cost_tables import linear_costs
 
 from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
 from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, FULL_WORTH_GAIN,
-                                        INFORMED_CYCLES,
-                                        PRIOR_CYCLES, PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_STEPS, TRIAL_STEPS,
-                                        AutoPlanner, RequestMemory, probe_after, session_prior)
+                                        INFORMED_CYCLES, PRIOR_CYCLES, PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_STEPS,
+                                        TRIAL_STEPS, AutoPlanner, RequestMemory, probe_after, session_prior)
 from dflash_trt.runtime.policy import AcceptanceTracker, auto_length
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound
