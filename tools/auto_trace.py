@@ -10,7 +10,13 @@ given arguments, and records, for the adaptive session only:
   (``AutoPlanner.realised_gain``);
 - every drafting step's time outside its forwards and its deciding (what the cost model prices), split by whether a
   row took in context (a request's first draft);
-- how long each decision took, by its reason (timed before this tool's own logging).
+- how long each decision took, by its reason (timed before this tool's own logging);
+- with ``--steps FILE`` (a TSV), every step of the adaptive session, plain decoding's passes in it included
+  (``ar_auto``): whether its requests can draft, batch size, drafting rows, verify width, rows that keep a drafter
+  (their verify computes context taps), the step's seconds, its verify's and its draft's, and when it ended. A pass
+  is a run of steps of one kind with no gap over 50 ms; per pass this prints its steps, its wall time, and where the
+  time went (steps at a full batch, at a smaller one, drafting steps, plain steps where some row keeps a drafter,
+  time outside the steps: admitting and prefilling requests).
 
 Then prints per batch size how many decisions had each outcome (a decision holds up to 8 steps while the batch is
 unchanged) and the median overheads::
@@ -38,6 +44,7 @@ from dflash_trt.runtime.policy import auto_length, expected_tokens
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decisions", required=True, help="TSV file the decisions are written to")
+    parser.add_argument("--steps", help="TSV file every step of the adaptive session is written to")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `dflash-trt bench`")
     args = parser.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
@@ -46,6 +53,7 @@ def main() -> None:
     decisions: list[tuple] = []
     overheads: dict[bool, list[float]] = {True: [], False: []}
     deciding: dict[str, list[float]] = {}
+    steps: list[tuple] = []
     decide, record_costs = planner.AutoPlanner._decide, scheduler.Scheduler.record_costs
 
     def traced_decide(self, requests):
@@ -67,8 +75,14 @@ def main() -> None:
 
     def traced_record_costs(self, report):
         record_costs(self, report)
-        if report.draft_rows and self.speculation.mode == "auto":  # the static session measures its costs too
+        if self.speculation.mode != "auto":  # the static session measures its costs too
+            return
+        if report.draft_rows:
             overheads[report.took_in_context].append(report.seconds - report.plan_s - report.draft_s - report.verify_s)
+        entries = self._step_entries  # the step's requests, by id of their state (set before subscribers run)
+        steps.append((any(entries[id(state)].memory.wanted for state in report.rows), len(report.rows),
+                      report.draft_rows, report.verify_width, sum(1 for state in report.rows if state.uses_drafter),
+                      report.seconds, report.verify_s, report.draft_s, time.perf_counter()))
 
     planner.AutoPlanner._decide = traced_decide  # only auto sessions plan and record costs from every step
     scheduler.Scheduler.record_costs = traced_record_costs
@@ -83,6 +97,14 @@ def main() -> None:
                 out.write("\t".join("" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
                                     for v in row) + "\n")
         summarise(decisions, overheads, deciding)
+        if args.steps:
+            with open(args.steps, "w") as out:
+                out.write("drafter\tbatch\tdraft_rows\tverify_width\tkeeps_drafter\tstep_ms\tverify_ms\tdraft_ms\t"
+                          "ended_s\n")
+                for row in steps:
+                    out.write("\t".join(str(v) if isinstance(v, (bool, int)) else f"{v * 1e3:.4f}" if i < 8
+                                        else f"{v:.6f}" for i, v in enumerate(row)) + "\n")
+            summarise_passes(steps)
 
 
 def summarise(decisions: list[tuple], overheads: dict[bool, list[float]], deciding: dict[str, list[float]]) -> None:
@@ -103,6 +125,39 @@ def summarise(decisions: list[tuple], overheads: dict[bool, list[float]], decidi
         quantiles = statistics.quantiles(seconds, n=10) if len(seconds) > 1 else seconds * 9
         print(f"deciding {reason}: {len(seconds)}, median {statistics.median(seconds) * 1e3:.2f} ms, 90th percentile "
               f"{quantiles[-1] * 1e3:.2f} ms")
+    sys.stdout.flush()
+
+
+PASS_GAP_S = 0.05
+"""A gap between two steps longer than this ends a pass (the bench's modes alternate pass by pass)."""
+
+
+def passes(steps: list[tuple]) -> list[list[tuple]]:
+    """Runs of steps of one kind (requests that can draft or not) with no gap over ``PASS_GAP_S``."""
+    runs: list[list[tuple]] = []
+    for step in steps:
+        if not runs or runs[-1][-1][0] != step[0] or step[8] - runs[-1][-1][8] - step[5] > PASS_GAP_S:
+            runs.append([])
+        runs[-1].append(step)
+    return runs
+
+
+def summarise_passes(steps: list[tuple]) -> None:
+    """Per pass of the adaptive session: where its time went (``--steps``)."""
+    for run in passes(steps):
+        full = max(step[1] for step in run)
+        wall = run[-1][8] - run[0][8] + run[0][5]
+        in_steps = sum(step[5] for step in run)
+
+        def part(label: str, chosen: list[tuple]) -> str:
+            return f"{label} {len(chosen)} ({sum(step[5] for step in chosen) * 1e3:.0f} ms)"
+
+        print(f"{'drafting' if run[0][0] else 'plain'} pass: {len(run)} steps, {wall * 1e3:.0f} ms; "
+              + ", ".join([part(f"at batch {full}", [s for s in run if s[1] == full]),
+                           part("smaller", [s for s in run if s[1] < full]),
+                           part("drafting", [s for s in run if s[2]]),
+                           part("plain with a drafter kept", [s for s in run if not s[2] and s[4]])])
+              + f"; outside the steps {(wall - in_steps) * 1e3:.0f} ms")
     sys.stdout.flush()
 
 
