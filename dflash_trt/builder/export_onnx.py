@@ -103,10 +103,12 @@ class GraphLimits:
 
 class _BoundCache:
     """Stands in for ``StaticKVCache`` in a graph: ``write`` returns ``[live cache rows ; new rows]`` for every
-    row and remembers the new rows as graph outputs. Shapes: caches ``[B, nkv, S, d]`` per layer; the first ``K``
-    rows of each are read (``K`` = the size of ``cache_positions``)."""
+    row and remembers the new rows as graph outputs. Shapes: caches ``[B, nkv, S, d]`` per layer; the rows named by
+    ``cache_positions`` ``[K]`` (``0 .. K-1``) are read, gathered rather than sliced: a slice ``[:K]`` of a dim ``S``
+    exported independently of ``K`` has size ``min(K, S)``, which torch 2.11's ``torch.export`` could not compare
+    with the mask's ``K + T`` (a data-dependent guard) and the pinned torch resolves."""
 
-    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], live: int) -> None:
+    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], live: Tensor) -> None:
         self.key_cache, self.value_cache, self.live = key_cache, value_cache, live
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
@@ -115,8 +117,8 @@ class _BoundCache:
               ) -> tuple[Tensor, Tensor]:
         self.new_keys.append(keys)  # [B, nkv, T, d]
         self.new_values.append(values)
-        return (torch.cat([self.key_cache[layer][:, :, :self.live], keys], dim=2),
-                torch.cat([self.value_cache[layer][:, :, :self.live], values], dim=2))
+        return (torch.cat([self.key_cache[layer].index_select(2, self.live), keys], dim=2),
+                torch.cat([self.value_cache[layer].index_select(2, self.live), values], dim=2))
 
     def outputs(self) -> tuple[Tensor, Tensor]:
         """``[B, N, nkv, T, d]`` each."""
@@ -148,7 +150,7 @@ class TargetGraph(nn.Module):
         committed = (cache_positions.view(1, 1, -1) < cache_lengths.view(-1, 1, 1)).expand(-1, tokens.shape[1], -1)
         mask = _additive((torch.cat([committed, positions.unsqueeze(1) <= queries], dim=-1) | (queries >= slots)
                           ).unsqueeze(1))  # [B, 1, T, K+T]
-        cache = _BoundCache(list(caches[:layers]), list(caches[layers:]), cache_positions.shape[0])
+        cache = _BoundCache(list(caches[:layers]), list(caches[layers:]), cache_positions)
         logits, taps = self.model.run_layers(tokens, positions, cache, None, mask, positions, self.tap_ids)
         return (logits,) + ((taps,) if self.tap_ids else ()) + cache.outputs()
 
@@ -234,13 +236,14 @@ class _BoundKeys:
     """A draft layer's keys in the batched graph: ``[live cache rows ; new context ; block]`` under ``masks``.
 
     The new context rows are kept as graph outputs (the runtime appends them to its cache; block K/V
-    never survive a cycle). Shapes: caches ``[B, nkv, S, d]`` per layer (first ``live`` rows read); masks
-    ``[B, 1, Bc, K+C+Bc]`` (additive).
+    never survive a cycle). Shapes: caches ``[B, nkv, S, d]`` per layer, of which the rows ``cache_rows`` ``[K]``
+    (``0 .. K-1``) are read, gathered as :class:`_BoundCache` reads them; masks ``[B, 1, Bc, K+C+Bc]`` (additive).
     """
 
-    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], live: int,
+    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], cache_rows: Tensor,
                  masks: dict[tuple[bool, bool], Tensor]) -> None:
-        self.key_cache, self.value_cache, self.live, self.masks = key_cache, value_cache, live, masks
+        self.key_cache, self.value_cache, self.cache_rows, self.masks = key_cache, value_cache, cache_rows, masks
+        self.live = cache_rows.shape[0]
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
 
@@ -248,8 +251,8 @@ class _BoundKeys:
                  block_v: Tensor) -> Tensor:
         self.new_keys.append(context_k)  # [B, nkv, C, d]
         self.new_values.append(context_v)
-        keys = torch.cat([self.key_cache[layer][:, :, :self.live], context_k, block_k], dim=2)
-        values = torch.cat([self.value_cache[layer][:, :, :self.live], context_v, block_v], dim=2)
+        keys = torch.cat([self.key_cache[layer].index_select(2, self.cache_rows), context_k, block_k], dim=2)
+        values = torch.cat([self.value_cache[layer].index_select(2, self.cache_rows), context_v, block_v], dim=2)
         return attend(q, keys, values, self.masks[attn.mask_kind])
 
 
@@ -258,10 +261,10 @@ class _FusedBoundKeys(_BoundKeys):
     23): the layer's projections stay ``[B, rows, heads*d]``, the bound cache rows are the attention's past. Shapes:
     cos/sin ``[P, d/2]``; positions ``[B, C]`` (context) and ``[B, T]`` (block)."""
 
-    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], live: int,
+    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], cache_rows: Tensor,
                  masks: dict[tuple[bool, bool], Tensor], context_positions: Tensor, block_positions: Tensor,
                  cos: Tensor, sin: Tensor) -> None:
-        super().__init__(key_cache, value_cache, live, masks)
+        super().__init__(key_cache, value_cache, cache_rows, masks)
         self.block_positions, self.cos, self.sin = block_positions, cos, sin
         self.positions = torch.cat([context_positions, block_positions], dim=1)  # [B, C+T]
 
@@ -326,10 +329,10 @@ class DraftGraph(_DrafterGraph):
             masks[(causal, sliding)] = _additive(((valid & visible(queries, key_positions, causal, window))
                                                   | padding).unsqueeze(1))
         if self.fused:
-            keys = _FusedBoundKeys(key_cache, value_cache, cache_positions.shape[0], masks, context_positions,
+            keys = _FusedBoundKeys(key_cache, value_cache, cache_positions, masks, context_positions,
                                    block_positions, self.rope_cos, self.rope_sin)
         else:
-            keys = _BoundKeys(key_cache, value_cache, cache_positions.shape[0], masks)
+            keys = _BoundKeys(key_cache, value_cache, cache_positions, masks)
         embeds = self.embed_block(block)
         hidden = head.run_layers(embeds, taps, head.rotary.lookup(block_positions, embeds.dtype),
                                  head.rotary.lookup(context_positions, embeds.dtype), keys)
