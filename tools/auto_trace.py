@@ -13,10 +13,11 @@ given arguments, and records, for the adaptive session only:
 - how long each decision took, by its reason (timed before this tool's own logging);
 - with ``--steps FILE`` (a TSV), every step of the adaptive session, plain decoding's passes in it included
   (``ar_auto``): whether its requests can draft, batch size, drafting rows, verify width, rows that keep a drafter
-  (their verify computes context taps), the step's seconds, its verify's and its draft's, and when it ended. A pass
-  is a run of steps of one kind with no gap over 50 ms; per pass this prints its steps, its wall time, and where the
-  time went (steps at a full batch, at a smaller one, drafting steps, plain steps where some row keeps a drafter,
-  time outside the steps: admitting and prefilling requests).
+  (their verify computes context taps), the step's seconds, its verify's and its draft's, when it ended, and the
+  bench pass it belongs to (the bench's ``ar_auto`` and ``dflash_auto`` passes of the adaptive session; warm-up passes
+  included). Per pass of more than one step this prints its steps, its wall time, and where the time went (steps at
+  its full batch, at a smaller one, drafting steps, plain steps where some row keeps a drafter, time outside the
+  steps: admitting and prefilling requests).
 
 Then prints per batch size how many decisions had each outcome (a decision holds up to 8 steps while the batch is
 unchanged) and the median overheads::
@@ -37,6 +38,7 @@ import sys
 import time
 from collections import Counter
 
+from dflash_trt.bench import runners
 from dflash_trt.runtime import planner, scheduler
 from dflash_trt.runtime.policy import auto_length, expected_tokens
 
@@ -54,7 +56,14 @@ def main() -> None:
     overheads: dict[bool, list[float]] = {True: [], False: []}
     deciding: dict[str, list[float]] = {}
     steps: list[tuple] = []
+    current_pass: list = [0, "warm-up"]  # the bench pass running now: its number and mode (none yet: warm-up)
     decide, record_costs = planner.AutoPlanner._decide, scheduler.Scheduler.record_costs
+    run_pass = runners.SessionRunner.run_closed_loop
+
+    def traced_run_pass(self, requests, concurrency):
+        current_pass[0] += 1
+        current_pass[1] = self.name
+        return run_pass(self, requests, concurrency)
 
     def traced_decide(self, requests):
         began = time.perf_counter()
@@ -82,10 +91,12 @@ def main() -> None:
         entries = self._step_entries  # the step's requests, by id of their state (set before subscribers run)
         steps.append((any(entries[id(state)].memory.wanted for state in report.rows), len(report.rows),
                       report.draft_rows, report.verify_width, sum(1 for state in report.rows if state.uses_drafter),
-                      report.seconds, report.verify_s, report.draft_s, time.perf_counter()))
+                      report.seconds, report.verify_s, report.draft_s, time.perf_counter(), current_pass[0],
+                      current_pass[1]))
 
     planner.AutoPlanner._decide = traced_decide  # only auto sessions plan and record costs from every step
     scheduler.Scheduler.record_costs = traced_record_costs
+    runners.SessionRunner.run_closed_loop = traced_run_pass
     from dflash_trt.cli import main as cli
 
     try:
@@ -100,9 +111,9 @@ def main() -> None:
         if args.steps:
             with open(args.steps, "w") as out:
                 out.write("drafter\tbatch\tdraft_rows\tverify_width\tkeeps_drafter\tstep_ms\tverify_ms\tdraft_ms\t"
-                          "ended_s\n")
+                          "ended_s\tpass\tmode\n")
                 for row in steps:
-                    out.write("\t".join(str(v) if isinstance(v, (bool, int)) else f"{v * 1e3:.4f}" if i < 8
+                    out.write("\t".join(str(v) if isinstance(v, (bool, int, str)) else f"{v * 1e3:.4f}" if i < 8
                                         else f"{v:.6f}" for i, v in enumerate(row)) + "\n")
             summarise_passes(steps)
 
@@ -128,23 +139,20 @@ def summarise(decisions: list[tuple], overheads: dict[bool, list[float]], decidi
     sys.stdout.flush()
 
 
-PASS_GAP_S = 0.05
-"""A gap between two steps longer than this ends a pass (the bench's modes alternate pass by pass)."""
-
-
 def passes(steps: list[tuple]) -> list[list[tuple]]:
-    """Runs of steps of one kind (requests that can draft or not) with no gap over ``PASS_GAP_S``."""
-    runs: list[list[tuple]] = []
+    """The steps of each bench pass, in order (``--steps`` rows: the pass number is their tenth field)."""
+    runs: dict[int, list[tuple]] = {}
     for step in steps:
-        if not runs or runs[-1][-1][0] != step[0] or step[8] - runs[-1][-1][8] - step[5] > PASS_GAP_S:
-            runs.append([])
-        runs[-1].append(step)
-    return runs
+        runs.setdefault(step[9], []).append(step)
+    return list(runs.values())
 
 
 def summarise_passes(steps: list[tuple]) -> None:
-    """Per pass of the adaptive session: where its time went (``--steps``)."""
+    """Per pass of the adaptive session: where its time went (``--steps``). Passes of one step (the bench's warm-up
+    requests) are left out."""
     for run in passes(steps):
+        if len(run) < 2:
+            continue
         full = max(step[1] for step in run)
         wall = run[-1][8] - run[0][8] + run[0][5]
         in_steps = sum(step[5] for step in run)
@@ -152,7 +160,7 @@ def summarise_passes(steps: list[tuple]) -> None:
         def part(label: str, chosen: list[tuple]) -> str:
             return f"{label} {len(chosen)} ({sum(step[5] for step in chosen) * 1e3:.0f} ms)"
 
-        print(f"{'drafting' if run[0][0] else 'plain'} pass: {len(run)} steps, {wall * 1e3:.0f} ms; "
+        print(f"{run[0][10]} pass: {len(run)} steps, {wall * 1e3:.0f} ms; "
               + ", ".join([part(f"at batch {full}", [s for s in run if s[1] == full]),
                            part("smaller", [s for s in run if s[1] < full]),
                            part("drafting", [s for s in run if s[2]]),
