@@ -103,13 +103,14 @@ class GraphLimits:
 
 class _BoundCache:
     """Stands in for ``StaticKVCache`` in a graph: ``write`` returns ``[live cache rows ; new rows]`` for every
-    row and remembers the new rows as graph outputs. Shapes: caches ``[B, nkv, S, d]`` per layer; the rows named by
-    ``cache_positions`` ``[K]`` (``0 .. K-1``) are read, gathered rather than sliced: a slice ``[:K]`` of a dim ``S``
-    exported independently of ``K`` has size ``min(K, S)``, which torch 2.11's ``torch.export`` could not compare
-    with the mask's ``K + T`` (a data-dependent guard) and the pinned torch resolves."""
+    row and remembers the new rows as graph outputs. Shapes: caches ``[B, nkv, S, d]`` per layer; the rows
+    ``cache_rows`` ``[K]`` (the graph's ``cache_positions``, ``0 .. K-1``) are read, gathered rather than sliced:
+    a slice ``[:K]`` of a dim ``S`` exported independently of ``K`` has size ``min(K, S)``, which torch 2.11's
+    ``torch.export`` could not compare with the mask's ``K + T`` (a data-dependent guard) and the pinned torch
+    resolves."""
 
-    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], live: Tensor) -> None:
-        self.key_cache, self.value_cache, self.live = key_cache, value_cache, live
+    def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], cache_rows: Tensor) -> None:
+        self.key_cache, self.value_cache, self.cache_rows = key_cache, value_cache, cache_rows
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
 
@@ -117,8 +118,8 @@ class _BoundCache:
               ) -> tuple[Tensor, Tensor]:
         self.new_keys.append(keys)  # [B, nkv, T, d]
         self.new_values.append(values)
-        return (torch.cat([self.key_cache[layer].index_select(2, self.live), keys], dim=2),
-                torch.cat([self.value_cache[layer].index_select(2, self.live), values], dim=2))
+        return (torch.cat([self.key_cache[layer].index_select(2, self.cache_rows), keys], dim=2),
+                torch.cat([self.value_cache[layer].index_select(2, self.cache_rows), values], dim=2))
 
     def outputs(self) -> tuple[Tensor, Tensor]:
         """``[B, N, nkv, T, d]`` each."""
