@@ -110,8 +110,7 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
         adaptive = Session(session.pair, backend=getattr(session.backend, "name", "torch"),
                            max_seq_len=session.max_seq_len, engine=getattr(session, "engine", None),
                            max_batch=max_batch, speculation=SpeculationConfig(mode="auto"), device=device,
-                           announce=lambda line: click.echo(f"{line} for the adaptive (speculation auto) session",
-                                                            err=True))
+                           announce=_announce_adaptive)
     peers, notes = ({}, ["peers disabled (--no-peers)"]) if no_peers else available_peers(
         session.pair.target, session.pair.draft_path, session.pair.target.config.eos_token_ids)
     # the sessions, weights and peers live through the timed passes: out of the cyclic GC's reach meanwhile (a full
@@ -143,6 +142,12 @@ def bench_command(target, draft, engine, datasets, prompts_file, num_prompts, co
                    + ("" if same is None else f", greedy identical to AR: {'yes' if same else 'NO'}"))
         if cost_line(cell) is not None:
             click.echo(f"{'':>12} {cost_line(cell)}")
+
+
+def _announce_adaptive(line: str) -> None:
+    """The adaptive session's start-up lines: its KV cache (notes on the shared pair were said by the first session)."""
+    if line.startswith("KV cache"):
+        click.echo(f"{line} for the adaptive (speculation auto) session", err=True)
 
 
 def _open_session(target, draft, engine, max_batch: int, max_seq_len: int | None, dtype: str, device: str,

@@ -175,3 +175,18 @@ def test_greedy_dflash_equals_plain_decoding_for_concurrent_requests_in_bfloat16
             assert handle.result().token_ids == plain.generate(prompt, SamplingParams(max_new_tokens=30)).token_ids
     finally:
         batched.close()
+
+
+@pytest.mark.parametrize(("dtype", "max_batch", "noted"), [("bfloat16", 2, True), ("float16", 4, True),
+                                                            ("float32", 2, False), ("bfloat16", 1, False)])
+def test_a_batched_half_precision_session_says_at_start_up_that_its_requests_run_in_turn(dtype, max_batch, noted):
+    """A batched forward in frames runs each request's frames one after the other: a bf16 bench at c=16 of a
+    Qwen3-0.6B-shaped target on an H200 ran minutes a pass without a word. The session says so where it applies."""
+    lines: list[str] = []
+    session = Session.from_checkpoints(dtype=dtype, max_batch=max_batch, announce=lines.append)
+    session.close()
+    assert lines[0].startswith("KV cache: ")
+    notes = [line for line in lines if "runs each request's frames in turn" in line]
+    assert len(notes) == noted
+    if noted:
+        assert f"a {dtype} target" in notes[0] and "--dtype float32" in notes[0]
