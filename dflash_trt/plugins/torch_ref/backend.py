@@ -34,6 +34,11 @@ from dflash_trt.plugins.torch_ref.graphs import COMPILERS, MAX_BUCKET_WIDTH, Com
 from dflash_trt.plugins.torch_ref.threads import use_intra_op_threads
 from dflash_trt.model.memory import require_fit
 
+INTAKE_BLOCKS = 2
+"""A drafting row whose new context is longer than this many blocks (a request's first draft takes in its whole
+prompt) drafts in a call of its own when other rows draft in the same step: one call pads every row's context to the
+longest, so each of them would take in a prompt's worth of padding (``intake_groups``)."""
+
 DEFAULT_COMPILER: str | None = None
 """Compiler of a backend when ``DFLASH_TORCH_COMPILE`` is unset (None: eager)."""
 
@@ -49,6 +54,17 @@ def compiler_from_env() -> str | None:
         raise ConfigError(f"DFLASH_TORCH_COMPILE is {value!r}; expected 0, eager, {', '.join(COMPILERS)} or "
                           f"{CUDA_GRAPHS} (CUDA only). Fix: unset it or pass one of those.")
     return value
+
+
+def intake_groups(rows: list[DraftRow]) -> list[list[int]]:
+    """The draft calls a step's drafting rows make, as lists of row indices: one call, or two where some rows take in
+    more than ``INTAKE_BLOCKS`` blocks of new context and others do not (those rows first, then the rest)."""
+    block = max(len(r.block) for r in rows)
+    intake = [i for i, r in enumerate(rows) if r.taps.shape[0] > INTAKE_BLOCKS * block]
+    if not intake or len(intake) == len(rows):
+        return [list(range(len(rows)))]
+    taking = set(intake)
+    return [intake, [i for i in range(len(rows)) if i not in taking]]
 
 
 class TorchBackend(SlotCaches):
@@ -135,6 +151,13 @@ class TorchBackend(SlotCaches):
 
     @torch.inference_mode()
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
+        groups = intake_groups(rows)
+        if len(groups) > 1:  # rows taking in a prompt draft apart from the rest (see ``intake_groups``)
+            logits: list[Tensor | None] = [None] * len(rows)
+            for group in groups:
+                for index, row_logits in zip(group, self.draft_batch([rows[i] for i in group])):
+                    logits[index] = row_logits
+            return logits
         context = max(r.taps.shape[0] for r in rows)
         width = max(len(r.block) for r in rows)
         if self.graphs is not None and self.graphs.enabled and max(context, width) <= MAX_BUCKET_WIDTH:

@@ -1,0 +1,46 @@
+"""A step's drafting rows that take in a prompt draft in a call of their own (plugins/torch_ref/backend.py,
+``intake_groups``): one call pads every row's context to the longest."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_trt.plugins.interface import DraftRow
+from dflash_trt.plugins.torch_ref.backend import INTAKE_BLOCKS, intake_groups
+from dflash_trt.runtime.session import Session
+
+BLOCK = [5, 0, 0, 0]
+
+
+def row(slot: int, context: int, start: int, dim: int = 1) -> DraftRow:
+    return DraftRow(slot, BLOCK, torch.randn(context, dim), start)
+
+
+def test_rows_taking_in_more_than_a_few_blocks_of_context_draft_apart_from_the_rest():
+    long = INTAKE_BLOCKS * len(BLOCK) + 1
+    assert intake_groups([row(0, 4, 50), row(1, long, 60), row(2, 1, 50)]) == [[1], [0, 2]]
+    assert intake_groups([row(0, 4, 50), row(1, long - 1, 60)]) == [[0, 1]]  # no row past the limit
+    assert intake_groups([row(0, long, 60), row(1, long + 9, 60)]) == [[0, 1]]  # every row past it: one call
+
+
+def test_a_split_draft_call_gives_each_row_what_drafting_it_alone_gives(monkeypatch):
+    session = Session.from_checkpoints(max_batch=3, max_seq_len=128)
+    try:
+        backend = session.backend
+        dim = len(backend.tap_ids) * session.pair.target.config.hidden_size
+        generator = torch.Generator().manual_seed(0)
+        taps = lambda n: torch.randn(n, dim, generator=generator)  # noqa: E731
+        backend.draft_batch([DraftRow(slot, BLOCK, taps(40), 40) for slot in (1, 2)])  # their context so far
+        rows = [DraftRow(0, BLOCK, taps(60), 60), DraftRow(1, BLOCK, taps(3), 43), DraftRow(2, BLOCK, taps(2), 42)]
+        assert intake_groups(rows) == [[0], [1, 2]]
+        forwards = []
+        draft_hidden, draft = backend._draft_hidden, backend.draft
+        monkeypatch.setattr(backend, "_draft_hidden", lambda rs: forwards.append(len(rs)) or draft_hidden(rs))
+        monkeypatch.setattr(backend, "draft", lambda *a: forwards.append(1) or draft(*a))
+        together = backend.draft_batch(rows)  # each call crops the draft caches back to its rows' starts
+        assert sorted(forwards) == [1, 2]  # the row taking in its prompt alone, then the other two
+        for alone, draft in zip([backend.draft_batch([r])[0] for r in rows], together):
+            assert draft.shape == alone.shape == (len(BLOCK) - 1, session.pair.target.config.vocab_size)
+            torch.testing.assert_close(draft, alone, rtol=1e-4, atol=1e-4)
+    finally:
+        session.close()
