@@ -1,9 +1,11 @@
 """A draft call of 16 rows, one taking in its prompt: padded into one forward against split into two
-(``plugins/torch_ref/backend.py``, ``intake_groups``), interleaved, medians (docs/design.md, the step's draft)::
+(``plugins/interface.py``, ``intake_groups``), interleaved, medians (docs/design.md, the step's draft), on the torch
+backend or an ONNX Runtime engine::
 
     OMP_NUM_THREADS=1 python tools/intake_split.py --context 200
     OMP_NUM_THREADS=1 python tools/intake_split.py --target /tmp/q06/target --draft /tmp/q06/target-dflash-1l \\
         --context 256
+    OMP_NUM_THREADS=1 python tools/intake_split.py --engine engines/stories260K --context 200
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 
 import torch
 
+from dflash_trt.plugins import graph_rows
 from dflash_trt.plugins.interface import DraftRow
 from dflash_trt.plugins.torch_ref import backend as torch_backend
 from dflash_trt.runtime.session import Session
@@ -27,32 +30,41 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="target checkpoint (default: the embedded stories260K pair)")
     parser.add_argument("--draft", help="drafter checkpoint")
+    parser.add_argument("--engine", help="an ONNX Runtime engine folder (`dflash-trt build --backend onnxruntime`) "
+                                         "in place of checkpoints")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--context", type=int, default=40, help="prompt tokens the first row takes in")
     parser.add_argument("--calls", type=int, default=60, help="timed calls each way (the first 5 left out)")
     args = parser.parse_args(argv)
-    session = Session.from_checkpoints(args.target, args.draft, dtype=args.dtype, max_batch=ROWS,
-                                       max_seq_len=max(args.context, PAST + STEADY_CONTEXT) + 64)
+    max_seq_len = max(args.context, PAST + STEADY_CONTEXT) + 64
+    if args.engine:
+        session = Session.load(args.engine, "onnxruntime", max_batch=ROWS, max_seq_len=max_seq_len)
+    else:
+        session = Session.from_checkpoints(args.target, args.draft, dtype=args.dtype, max_batch=ROWS,
+                                           max_seq_len=max_seq_len)
     backend = session.backend
-    dim = len(backend.tap_ids) * session.pair.target.config.hidden_size
+    module = graph_rows if args.engine else torch_backend  # where the backend looks the grouping up
+    dim = len(session.pair.draft.config.target_layer_ids) * session.pair.target.config.hidden_size
     block = [5] + [session.pair.draft.config.mask_token_id] * (session.default_block_len - 1)
-    taps = lambda n: torch.randn(n, dim, dtype=backend.dtype)  # noqa: E731
+    dtype = session.pair.target.embed_tokens.weight.dtype
+    taps = lambda n: torch.randn(n, dim, dtype=dtype)  # noqa: E731
     backend.draft_batch([DraftRow(slot, block, taps(PAST), PAST) for slot in range(1, ROWS)])
     rows = [DraftRow(0, block, taps(args.context), args.context)] + [
         DraftRow(slot, block, taps(STEADY_CONTEXT), PAST + STEADY_CONTEXT) for slot in range(1, ROWS)]
-    split = torch_backend.intake_groups
+    split = module.intake_groups
     times: dict[str, list[float]] = {"one call (padded)": [], "split": []}
     for call in range(args.calls):
         for way in sorted(times, reverse=bool(call % 2)):
-            torch_backend.intake_groups = split if way == "split" else (lambda rs: [list(range(len(rs)))])
+            module.intake_groups = split if way == "split" else (lambda rs: [list(range(len(rs)))])
             began = time.perf_counter()
             backend.draft_batch(rows)  # each call crops the draft caches back to its rows' starts
             times[way].append(time.perf_counter() - began)
-    torch_backend.intake_groups = split
+    module.intake_groups = split
     session.close()
     for way, seconds in times.items():
         print(f"{way}: median {statistics.median(seconds[5:]) * 1e3:.2f} ms ({ROWS} rows, one taking in "
-              f"{args.context} context taps, {args.dtype}, {torch.get_num_threads()} threads)")
+              f"{args.context} context taps, {'engine ' + args.engine if args.engine else args.dtype}, "
+              f"{torch.get_num_threads()} threads)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ against 12 us for one draft call's 16 K/V write-backs) and on torch tensors for 
 device tensor back to the host.
 
 * :meth:`GraphRows.target`: ``target.onnx``, every row in one call; it returns each row's new K/V.
-* :meth:`GraphRows.draft`: ``draft.onnx``, every drafting row in one call, each with its own context length.
+* :meth:`GraphRows.draft`: ``draft.onnx``, every drafting row in one call, each with its own context length (rows
+  taking in a prompt in a call of their own: ``interface.intake_groups``).
 * :meth:`GraphRows.propose`: a DFlash2 drafter's ``draft.onnx``, the same call with the candidate selector walked in
   the graph (each row's temperature and uniforms in, its path, candidates and proposal probabilities out).
 * :meth:`GraphRows.draft_plugin`: ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O), one row per
@@ -30,7 +31,7 @@ from torch import Tensor
 from dflash_trt.errors import RequestError
 from dflash_trt.model.kv_cache import StaticKVCache
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
-from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow
+from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow, intake_groups
 
 
 class Executor(Protocol):
@@ -159,11 +160,15 @@ class GraphRows:
         return results
 
     def draft(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow]) -> list[Tensor]:
-        """``draft.onnx``: every row in one call. Shapes per row: draft logits ``[Bc_i - 1, V]`` on the cache's device;
-        afterwards each draft cache holds positions ``< start``."""
-        outputs = self._draft_call(executor, cache, rows, {})
-        return [self._kept(executor, outputs["draft_logits"][index, :len(row.block) - 1])
-                for index, row in enumerate(rows)]
+        """``draft.onnx``: every row in one call, or the rows taking in a prompt in a call of their own
+        (``interface.intake_groups``: one call pads every row's context to the longest). Shapes per row: draft logits
+        ``[Bc_i - 1, V]`` on the cache's device; afterwards each draft cache holds positions ``< start``."""
+        logits: list[Tensor | None] = [None] * len(rows)
+        for group in intake_groups(rows):
+            outputs = self._draft_call(executor, cache, [rows[i] for i in group], {})
+            for position, index in enumerate(group):
+                logits[index] = self._kept(executor, outputs["draft_logits"][position, :len(rows[index].block) - 1])
+        return logits
 
     def propose(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow], max_block: int | None = None
                 ) -> list[DraftProposal]:

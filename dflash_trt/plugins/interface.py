@@ -59,6 +59,22 @@ class DraftRow:
     uniforms: Tensor | None = None
 
 
+INTAKE_BLOCKS = 2
+"""A drafting row whose new context is longer than this many blocks (a request's first draft takes in its whole
+prompt) drafts in a call of its own when other rows draft in the same step: one call pads every row's context to the
+longest, so each of them would take in a prompt's worth of padding (``intake_groups``)."""
+
+def intake_groups(rows: list[DraftRow]) -> list[list[int]]:
+    """The draft calls a step's drafting rows make, as lists of row indices: one call, or two where some rows take in
+    more than ``INTAKE_BLOCKS`` blocks of new context and others do not (those rows first, then the rest)."""
+    block = max(len(r.block) for r in rows)
+    intake = [i for i, r in enumerate(rows) if r.taps.shape[0] > INTAKE_BLOCKS * block]
+    if not intake or len(intake) == len(rows):
+        return [list(range(len(rows)))]
+    taking = set(intake)
+    return [intake, [i for i in range(len(rows)) if i not in taking]]
+
+
 @dataclass(frozen=True)
 class DraftProposal:
     """A DFlash2 drafter's proposals for one row: the selector's path and the sparse distribution it came from.

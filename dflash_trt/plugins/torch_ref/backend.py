@@ -25,7 +25,7 @@ from dflash_trt.model.transfer import to_device
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.model.candidate_selector import sampled_choice
-from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow
+from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow, intake_groups
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, SlotCaches
 from dflash_trt.model.frames import uses_frames
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
@@ -33,11 +33,6 @@ from dflash_trt.plugins.torch_ref.cuda_graphs import CUDA_GRAPHS, CudaGraphForwa
 from dflash_trt.plugins.torch_ref.graphs import COMPILERS, MAX_BUCKET_WIDTH, CompiledForwards, bucket
 from dflash_trt.plugins.torch_ref.threads import use_intra_op_threads
 from dflash_trt.model.memory import require_fit
-
-INTAKE_BLOCKS = 2
-"""A drafting row whose new context is longer than this many blocks (a request's first draft takes in its whole
-prompt) drafts in a call of its own when other rows draft in the same step: one call pads every row's context to the
-longest, so each of them would take in a prompt's worth of padding (``intake_groups``)."""
 
 DEFAULT_COMPILER: str | None = None
 """Compiler of a backend when ``DFLASH_TORCH_COMPILE`` is unset (None: eager)."""
@@ -54,17 +49,6 @@ def compiler_from_env() -> str | None:
         raise ConfigError(f"DFLASH_TORCH_COMPILE is {value!r}; expected 0, eager, {', '.join(COMPILERS)} or "
                           f"{CUDA_GRAPHS} (CUDA only). Fix: unset it or pass one of those.")
     return value
-
-
-def intake_groups(rows: list[DraftRow]) -> list[list[int]]:
-    """The draft calls a step's drafting rows make, as lists of row indices: one call, or two where some rows take in
-    more than ``INTAKE_BLOCKS`` blocks of new context and others do not (those rows first, then the rest)."""
-    block = max(len(r.block) for r in rows)
-    intake = [i for i, r in enumerate(rows) if r.taps.shape[0] > INTAKE_BLOCKS * block]
-    if not intake or len(intake) == len(rows):
-        return [list(range(len(rows)))]
-    taking = set(intake)
-    return [intake, [i for i in range(len(rows)) if i not in taking]]
 
 
 class TorchBackend(SlotCaches):

@@ -15,7 +15,7 @@ from engine_builds import built_engine  # noqa: E402
 from dflash_trt.formats.manifest import GraphVariants, read_manifest  # noqa: E402
 from dflash_trt.config import SamplingParams  # noqa: E402
 from dflash_trt.errors import ConfigError  # noqa: E402
-from dflash_trt.plugins.interface import DraftRow, TargetRow  # noqa: E402
+from dflash_trt.plugins.interface import DraftRow, TargetRow, intake_groups  # noqa: E402
 from dflash_trt.plugins.onnxruntime.backend import OrtBackend  # noqa: E402
 from dflash_trt.plugins.torch_ref.backend import TorchBackend  # noqa: E402
 from dflash_trt.runtime.session import Session  # noqa: E402
@@ -99,7 +99,12 @@ def test_backend_calls_match_torch(engine, plugin_engine, full_attention_engines
     got, expected = _drive(ort_backend, slots), _drive(TorchBackend(pair, 512, 4), slots)
     one_row = len(slots) == 1 and variant.startswith("full")
     assert len(step_calls) == (2 if one_row else 0)  # two cycles
-    assert len(draft_calls) == (0 if one_row else 2 * (len(slots) if plugin else 1))  # one call each, or one per row
+    # one call a cycle, or one per row; in the first cycle a row taking in a prompt over two blocks (the 9-token one,
+    # beside others) drafts in a call of its own (``intake_groups``)
+    first = len(intake_groups([DraftRow(0, [0] * 4, torch.zeros(len(PROMPTS[i % len(PROMPTS)]), 1), 0)
+                               for i in range(len(slots))]))
+    assert len(draft_calls) == (0 if one_row else 2 * len(slots) if plugin else first + 1)
+    assert first == (2 if slots == (0, 1, 2, 3) else 1)
     assert len(got) == len(expected) > 0
     for a, b in zip(got, expected):
         assert a.shape == b.shape
@@ -258,3 +263,28 @@ def test_every_onnxruntime_call_flushes_subnormals_and_the_thread_keeps_its_mode
     _drive(backend, (0, 1, 2))  # three rows: draft.onnx
     assert all(modes.values()) and not any(any(seen) for seen in modes.values()), modes
     assert _subnormals_kept()
+
+
+def test_an_engines_draft_call_with_a_row_taking_in_its_prompt_gives_each_row_what_drafting_it_alone_gives(engine):
+    """A row taking in more than two blocks of context drafts in a call of its own (``interface.intake_groups``):
+    each row's logits are what a call of that row alone gives, and there are two ``draft.onnx`` calls."""
+    session = Session.load(engine, "onnxruntime", max_batch=3)
+    try:
+        backend, block = session.backend, [5, 0, 0, 0]
+        dim = len(session.pair.draft.config.target_layer_ids) * session.pair.target.config.hidden_size
+        generator = torch.Generator().manual_seed(0)
+        taps = lambda n: torch.randn(n, dim, generator=generator)  # noqa: E731
+        backend.draft_batch([DraftRow(slot, block, taps(40), 40) for slot in (1, 2)])  # their context so far
+        rows = [DraftRow(0, block, taps(60), 60), DraftRow(1, block, taps(3), 43), DraftRow(2, block, taps(2), 42)]
+        assert intake_groups(rows) == [[0], [1, 2]]
+        calls = []
+        draft_call = backend._rows._draft_call
+        backend._rows._draft_call = lambda executor, cache, rs, extra: calls.append(len(rs)) or draft_call(
+            executor, cache, rs, extra)
+        together = backend.draft_batch(rows)  # each call crops the draft caches back to its rows' starts
+        assert calls == [1, 2]
+        for row, draft in zip(rows, together):
+            alone = backend._rows.draft(backend._draft, backend.draft_cache, [row])[0]  # draft.onnx, one row
+            torch.testing.assert_close(draft, alone, rtol=ATOL, atol=ATOL)
+    finally:
+        session.close()

@@ -1,12 +1,13 @@
-"""A step's drafting rows that take in a prompt draft in a call of their own (plugins/torch_ref/backend.py,
-``intake_groups``): one call pads every row's context to the longest."""
+"""A step's drafting rows that take in a prompt draft in a call of their own (plugins/interface.py
+``intake_groups``, on the torch backend; the engines' calls: tests/plugins/onnxruntime/test_ort_backend.py): one call
+pads every row's context to the longest."""
 
 from __future__ import annotations
 
 import torch
 
 from dflash_trt.plugins.interface import DraftRow
-from dflash_trt.plugins.torch_ref.backend import INTAKE_BLOCKS, intake_groups
+from dflash_trt.plugins.interface import INTAKE_BLOCKS, intake_groups
 from dflash_trt.runtime.session import Session
 
 BLOCK = [5, 0, 0, 0]
