@@ -263,28 +263,3 @@ def test_every_onnxruntime_call_flushes_subnormals_and_the_thread_keeps_its_mode
     _drive(backend, (0, 1, 2))  # three rows: draft.onnx
     assert all(modes.values()) and not any(any(seen) for seen in modes.values()), modes
     assert _subnormals_kept()
-
-
-def test_an_engines_draft_call_with_a_row_taking_in_its_prompt_gives_each_row_what_drafting_it_alone_gives(engine):
-    """A row taking in more than two blocks of context drafts in a call of its own (``interface.intake_groups``):
-    each row's logits are what a call of that row alone gives, and there are two ``draft.onnx`` calls."""
-    session = Session.load(engine, "onnxruntime", max_batch=3)
-    try:
-        backend, block = session.backend, [5, 0, 0, 0]
-        dim = len(session.pair.draft.config.target_layer_ids) * session.pair.target.config.hidden_size
-        generator = torch.Generator().manual_seed(0)
-        taps = lambda n: torch.randn(n, dim, generator=generator)  # noqa: E731
-        backend.draft_batch([DraftRow(slot, block, taps(40), 40) for slot in (1, 2)])  # their context so far
-        rows = [DraftRow(0, block, taps(60), 60), DraftRow(1, block, taps(3), 43), DraftRow(2, block, taps(2), 42)]
-        assert intake_groups(rows) == [[0], [1, 2]]
-        calls = []
-        draft_call = backend._rows._draft_call
-        backend._rows._draft_call = lambda executor, cache, rs, extra: calls.append(len(rs)) or draft_call(
-            executor, cache, rs, extra)
-        together = backend.draft_batch(rows)  # each call crops the draft caches back to its rows' starts
-        assert calls == [1, 2]
-        for row, draft in zip(rows, together):
-            alone = backend._rows.draft(backend._draft, backend.draft_cache, [row])[0]  # draft.onnx, one row
-            torch.testing.assert_close(draft, alone, rtol=ATOL, atol=ATOL)
-    finally:
-        session.close()
