@@ -89,7 +89,9 @@ class DraftProposal:
 
 
 class Backend(Protocol):
-    """What the scheduler drives: rows of many requests per forward, one cache slot per request."""
+    """What the scheduler drives: rows of many requests per forward, one cache slot per request. A backend whose
+    batched target forward runs its requests one after the other also sets ``rows_in_turn = True`` (the torch
+    backend in half precision, whose target runs in frames: ``model/frames.py``); a session says so at start-up."""
 
     name: str
     target_config: TargetConfig

@@ -22,7 +22,6 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 
 from dflash_trt.formats.load import load_pair
-from dflash_trt.model.frames import uses_frames
 from dflash_trt.model.kv_cache import KVCachePlan
 from dflash_trt.model.pair import ModelPair
 from dflash_trt.config import SamplingParams
@@ -115,8 +114,9 @@ class Session:
         self.kv_cache: KVCachePlan | None = getattr(self.backend, "kv_cache", None)
         if announce is not None and self.kv_cache is not None:
             announce(self.kv_cache.line())
-        if announce is not None and max_batch > 1 and self.backend.name == "torch" and uses_frames(self.backend.dtype):
-            announce(f"note: a {self.kv_cache.dtype} target on the torch backend runs each request's frames in turn "
+        if announce is not None and max_batch > 1 and getattr(self.backend, "rows_in_turn", False):
+            dtype = str(self.backend.dtype).removeprefix("torch.")
+            announce(f"note: a {dtype} target on the {self.backend.name} backend runs each request's frames in turn "
                      "(greedy output bit for bit equal to plain decoding, docs/algorithm.md §3.7): a step of N "
                      "requests costs about N single-request steps. For throughput at concurrency, load it in float32 "
                      "(--dtype float32) or build an engine.")

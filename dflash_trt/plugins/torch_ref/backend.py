@@ -65,6 +65,7 @@ class TorchBackend(SlotCaches):
         self.max_batch = max_batch
         self.device = pair.target.embed_tokens.weight.device
         self.dtype = pair.target.embed_tokens.weight.dtype
+        self.rows_in_turn = uses_frames(self.dtype)  # a batched target forward runs each request's frames in turn
         self.kv_cache = KVCachePlan(CacheLayout.of(self.target_config, self.dtype),
                                     CacheLayout.of(self.draft_config, self.dtype) if self.draft_config else None,
                                     max_batch, max_seq_len, str(self.dtype).removeprefix("torch."), str(self.device))
