@@ -16,9 +16,8 @@ import time
 
 import torch
 
-from dflash_trt.plugins import graph_rows
+from dflash_trt.plugins import interface
 from dflash_trt.plugins.interface import DraftRow
-from dflash_trt.plugins.torch_ref import backend as torch_backend
 from dflash_trt.runtime.session import Session
 
 ROWS = 16
@@ -43,7 +42,6 @@ def main(argv: list[str] | None = None) -> None:
         session = Session.from_checkpoints(args.target, args.draft, dtype=args.dtype, max_batch=ROWS,
                                            max_seq_len=max_seq_len)
     backend = session.backend
-    module = graph_rows if args.engine else torch_backend  # where the backend looks the grouping up
     dim = len(session.pair.draft.config.target_layer_ids) * session.pair.target.config.hidden_size
     block = [5] + [session.pair.draft.config.mask_token_id] * (session.default_block_len - 1)
     dtype = session.pair.target.embed_tokens.weight.dtype
@@ -51,15 +49,15 @@ def main(argv: list[str] | None = None) -> None:
     backend.draft_batch([DraftRow(slot, block, taps(PAST), PAST) for slot in range(1, ROWS)])
     rows = [DraftRow(0, block, taps(args.context), args.context)] + [
         DraftRow(slot, block, taps(STEADY_CONTEXT), PAST + STEADY_CONTEXT) for slot in range(1, ROWS)]
-    split = module.intake_groups
+    split = interface.intake_groups
     times: dict[str, list[float]] = {"one call (padded)": [], "split": []}
     for call in range(args.calls):
         for way in sorted(times, reverse=bool(call % 2)):
-            module.intake_groups = split if way == "split" else (lambda rs: [list(range(len(rs)))])
+            interface.intake_groups = split if way == "split" else (lambda rs: [list(range(len(rs)))])
             began = time.perf_counter()
             backend.draft_batch(rows)  # each call crops the draft caches back to its rows' starts
             times[way].append(time.perf_counter() - began)
-    module.intake_groups = split
+    interface.intake_groups = split
     session.close()
     for way, seconds in times.items():
         print(f"{way}: median {statistics.median(seconds[5:]) * 1e3:.2f} ms ({ROWS} rows, one taking in "

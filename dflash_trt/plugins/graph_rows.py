@@ -12,7 +12,7 @@ device tensor back to the host.
 
 * :meth:`GraphRows.target`: ``target.onnx``, every row in one call; it returns each row's new K/V.
 * :meth:`GraphRows.draft`: ``draft.onnx``, every drafting row in one call, each with its own context length (rows
-  taking in a prompt in a call of their own: ``interface.intake_groups``).
+  taking in a prompt in a call of their own: ``interface.intake_groups``); :meth:`GraphRows.propose` likewise.
 * :meth:`GraphRows.propose`: a DFlash2 drafter's ``draft.onnx``, the same call with the candidate selector walked in
   the graph (each row's temperature and uniforms in, its path, candidates and proposal probabilities out).
 * :meth:`GraphRows.draft_plugin`: ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O), one row per
@@ -31,7 +31,7 @@ from torch import Tensor
 from dflash_trt.errors import RequestError
 from dflash_trt.model.kv_cache import StaticKVCache
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
-from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow, intake_groups
+from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow, by_intake
 
 
 class Executor(Protocol):
@@ -163,12 +163,12 @@ class GraphRows:
         """``draft.onnx``: every row in one call, or the rows taking in a prompt in a call of their own
         (``interface.intake_groups``: one call pads every row's context to the longest). Shapes per row: draft logits
         ``[Bc_i - 1, V]`` on the cache's device; afterwards each draft cache holds positions ``< start``."""
-        logits: list[Tensor | None] = [None] * len(rows)
-        for group in intake_groups(rows):
-            outputs = self._draft_call(executor, cache, [rows[i] for i in group], {})
-            for position, index in enumerate(group):
-                logits[index] = self._kept(executor, outputs["draft_logits"][position, :len(rows[index].block) - 1])
-        return logits
+        def call(group: list[DraftRow]) -> list[Tensor]:
+            outputs = self._draft_call(executor, cache, group, {})
+            return [self._kept(executor, outputs["draft_logits"][index, :len(row.block) - 1])
+                    for index, row in enumerate(group)]
+
+        return by_intake(rows, call)
 
     def propose(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow], max_block: int | None = None
                 ) -> list[DraftProposal]:
@@ -176,7 +176,12 @@ class GraphRows:
         ``SelectorDraftGraph``): every row in one call, greedy rows (temperature 0) and sampled ones (their uniforms)
         alike. Per row a :class:`DraftProposal` on the cache's device: tokens ``[Bc_i - 1]``, support and, for a
         sampled row, probs ``[Bc_i - 1, k]``. ``max_block``: the build's block length, over which the graph's walk is
-        unrolled (a longer block is refused: the walk would stop short of it)."""
+        unrolled (a longer block is refused: the walk would stop short of it). Rows taking in a prompt are walked in a
+        call of their own (``interface.intake_groups``)."""
+        return by_intake(rows, lambda group: self._propose_call(executor, cache, group, max_block))
+
+    def _propose_call(self, executor: Executor, cache: StaticKVCache, rows: list[DraftRow], max_block: int | None
+                      ) -> list[DraftProposal]:
         width = max(len(row.block) for row in rows) - 1
         if max_block is not None and width + 1 > max_block:
             raise RequestError(f"block_len is {width + 1}; expected <= {max_block}, the block this engine's DFlash2 "

@@ -10,6 +10,7 @@ any backend. A backend serves rows of several requests per forward through ``tar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -73,6 +74,18 @@ def intake_groups(rows: list[DraftRow]) -> list[list[int]]:
         return [list(range(len(rows)))]
     taking = set(intake)
     return [intake, [i for i in range(len(rows)) if i not in taking]]
+
+
+def by_intake(rows: list[DraftRow], call: Callable[[list[DraftRow]], list]) -> list:
+    """``call(rows)``, made once per :func:`intake_groups` group; its per-row results in the order of ``rows``."""
+    groups = intake_groups(rows)
+    if len(groups) == 1:
+        return call(rows)
+    results: list = [None] * len(rows)
+    for group in groups:
+        for index, result in zip(group, call([rows[i] for i in group])):
+            results[index] = result
+    return results
 
 
 @dataclass(frozen=True)

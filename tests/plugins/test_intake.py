@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_builds import built_engine
+from tiny_models import DraftSpec, TargetSpec
 
 from dflash_trt.plugins.interface import INTAKE_BLOCKS, DraftRow, intake_groups
 from dflash_trt.runtime.session import Session
@@ -70,5 +71,29 @@ def test_a_split_draft_call_gives_each_row_what_drafting_it_alone_gives(backend,
             alone = session.backend.draft_batch([one])[0]
             assert draft.shape == alone.shape == (len(BLOCK) - 1, session.pair.target.config.vocab_size)
             torch.testing.assert_close(draft, alone, rtol=1e-4, atol=1e-4)
+    finally:
+        session.close()
+
+
+def test_a_dflash2_drafters_split_walk_gives_each_row_what_walking_it_alone_gives(zoo, monkeypatch):
+    """``propose_batch`` (the draft forward, then the candidate selector's walk) splits alike; greedy walks are the
+    same paths, their candidates the same ids."""
+    target = TargetSpec()
+    drafter = zoo.drafter(target, DraftSpec(seed=40, architecture="dflash2", distill_steps=60, selector_scale=0.5))
+    session = Session.from_checkpoints(zoo.target(target), drafter, max_batch=3, max_seq_len=128)
+    try:
+        backend, config = session.backend, session.pair.draft.config
+        block = [5] + [config.mask_token_id] * 3
+        dim = len(config.target_layer_ids) * session.pair.target.config.hidden_size
+        generator = torch.Generator().manual_seed(0)
+        taps = lambda n: torch.randn(n, dim, generator=generator)  # noqa: E731
+        backend.draft_batch([DraftRow(slot, block, taps(40), 40) for slot in (1, 2)])  # their context so far
+        rows = [DraftRow(0, block, taps(60), 60), DraftRow(1, block, taps(3), 43), DraftRow(2, block, taps(2), 42)]
+        forwards = _forwards(session, monkeypatch)
+        together = backend.propose_batch(rows)
+        assert forwards == [1, 2]
+        for one, proposal in zip(rows, together):
+            alone = backend.propose_batch([one])[0]
+            assert torch.equal(proposal.tokens, alone.tokens) and torch.equal(proposal.support, alone.support)
     finally:
         session.close()

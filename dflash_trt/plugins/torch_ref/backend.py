@@ -25,7 +25,7 @@ from dflash_trt.model.transfer import to_device
 from dflash_trt.config import DraftConfig, TargetConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.model.candidate_selector import sampled_choice
-from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow, intake_groups
+from dflash_trt.plugins.interface import DraftProposal, DraftRow, TargetRow, by_intake
 from dflash_trt.model.kv_cache import CacheLayout, KVCachePlan, SlotCaches
 from dflash_trt.model.frames import uses_frames
 from dflash_trt.model.layouts import DraftLayout, TargetLayout
@@ -134,15 +134,11 @@ class TorchBackend(SlotCaches):
         return [(logits[i, r.width - 1:r.width] if r.last_only else logits[i, :r.width],
                  taps[i, :r.width] if taps is not None else None) for i, r in enumerate(rows)]
 
-    @torch.inference_mode()
     def draft_batch(self, rows: list[DraftRow]) -> list[Tensor]:
-        groups = intake_groups(rows)
-        if len(groups) > 1:  # rows taking in a prompt draft apart from the rest (see ``intake_groups``)
-            logits: list[Tensor | None] = [None] * len(rows)
-            for group in groups:
-                for index, row_logits in zip(group, self.draft_batch([rows[i] for i in group])):
-                    logits[index] = row_logits
-            return logits
+        return by_intake(rows, self._draft_call)  # rows taking in a prompt draft apart from the rest
+
+    @torch.inference_mode()
+    def _draft_call(self, rows: list[DraftRow]) -> list[Tensor]:
         context = max(r.taps.shape[0] for r in rows)
         width = max(len(r.block) for r in rows)
         if self.graphs is not None and self.graphs.enabled and max(context, width) <= MAX_BUCKET_WIDTH:
@@ -156,10 +152,14 @@ class TorchBackend(SlotCaches):
         logits = self.draft_model.logits(self._draft_hidden(rows), self.target_model.lm_head.weight)
         return [logits[i, :len(r.block) - 1] for i, r in enumerate(rows)]
 
-    @torch.inference_mode()
     def propose_batch(self, rows: list[DraftRow]) -> list[DraftProposal]:
-        """DFlash2: the eager draft forward, then one selector walk over every row (docs/algorithm.md §2.11). The
-        compiled forwards return logits only, so a DFlash2 drafter always drafts eagerly."""
+        """DFlash2: the eager draft forward, then one selector walk over every row (docs/algorithm.md §2.11); rows
+        taking in a prompt in a call of their own (``interface.intake_groups``). The compiled forwards return logits
+        only, so a DFlash2 drafter always drafts eagerly."""
+        return by_intake(rows, self._propose_call)
+
+    @torch.inference_mode()
+    def _propose_call(self, rows: list[DraftRow]) -> list[DraftProposal]:
         assert self.draft_model is not None and self.draft_model.candidate_selector is not None, "a DFlash2 drafter"
         hidden = self._draft_hidden(rows)  # [B, W-1, H]
         slots = hidden.shape[1]
