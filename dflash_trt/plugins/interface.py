@@ -65,6 +65,7 @@ INTAKE_BLOCKS = 2
 prompt) drafts in a call of its own when other rows draft in the same step: one call pads every row's context to the
 longest, so each of them would take in a prompt's worth of padding (``intake_groups``)."""
 
+
 def intake_groups(rows: list[DraftRow]) -> list[list[int]]:
     """The draft calls a step's drafting rows make, as lists of row indices: one call, or two where some rows take in
     more than ``INTAKE_BLOCKS`` blocks of new context and others do not (those rows first, then the rest)."""
