@@ -23,6 +23,7 @@ from dflash_trt.runtime.session import Session
 ROWS = 16
 STEADY_CONTEXT = 4  # the new context of a row in steady state: about what a cycle accepts
 PAST = 40  # context the steady rows took in before
+WARM_UP = 5  # calls each way left out of the medians
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,8 +34,10 @@ def main(argv: list[str] | None = None) -> None:
                                          "in place of checkpoints")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--context", type=int, default=40, help="prompt tokens the first row takes in")
-    parser.add_argument("--calls", type=int, default=60, help="timed calls each way (the first 5 left out)")
+    parser.add_argument("--calls", type=int, default=60, help=f"timed calls each way (the first {WARM_UP} left out)")
     args = parser.parse_args(argv)
+    if args.calls <= WARM_UP:
+        parser.error(f"--calls is {args.calls}; expected more than {WARM_UP} (the first {WARM_UP} are left out)")
     max_seq_len = max(args.context, PAST + STEADY_CONTEXT) + 64
     if args.engine:
         session = Session.load(args.engine, "onnxruntime", max_batch=ROWS, max_seq_len=max_seq_len)
@@ -51,16 +54,18 @@ def main(argv: list[str] | None = None) -> None:
         DraftRow(slot, block, taps(STEADY_CONTEXT), PAST + STEADY_CONTEXT) for slot in range(1, ROWS)]
     split = interface.intake_groups
     times: dict[str, list[float]] = {"one call (padded)": [], "split": []}
-    for call in range(args.calls):
-        for way in sorted(times, reverse=bool(call % 2)):
-            interface.intake_groups = split if way == "split" else (lambda rs: [list(range(len(rs)))])
-            began = time.perf_counter()
-            backend.draft_batch(rows)  # each call crops the draft caches back to its rows' starts
-            times[way].append(time.perf_counter() - began)
-    interface.intake_groups = split
-    session.close()
+    try:
+        for call in range(args.calls):
+            for way in sorted(times, reverse=bool(call % 2)):
+                interface.intake_groups = split if way == "split" else (lambda rs: [list(range(len(rs)))])
+                began = time.perf_counter()
+                backend.draft_batch(rows)  # each call crops the draft caches back to its rows' starts
+                times[way].append(time.perf_counter() - began)
+    finally:
+        interface.intake_groups = split
+        session.close()
     for way, seconds in times.items():
-        print(f"{way}: median {statistics.median(seconds[5:]) * 1e3:.2f} ms ({ROWS} rows, one taking in "
+        print(f"{way}: median {statistics.median(seconds[WARM_UP:]) * 1e3:.2f} ms ({ROWS} rows, one taking in "
               f"{args.context} context taps, {'engine ' + args.engine if args.engine else args.dtype}, "
               f"{torch.get_num_threads()} threads)")
 

@@ -12,9 +12,9 @@ device tensor back to the host.
 
 * :meth:`GraphRows.target`: ``target.onnx``, every row in one call; it returns each row's new K/V.
 * :meth:`GraphRows.draft`: ``draft.onnx``, every drafting row in one call, each with its own context length (rows
-  taking in a prompt in a call of their own: ``interface.intake_groups``); :meth:`GraphRows.propose` likewise.
+  taking in a prompt in a call of their own: ``interface.intake_groups``).
 * :meth:`GraphRows.propose`: a DFlash2 drafter's ``draft.onnx``, the same call with the candidate selector walked in
-  the graph (each row's temperature and uniforms in, its path, candidates and proposal probabilities out).
+  the graph (each row's temperature and uniforms in, its path, candidates and proposal probabilities out), split alike.
 * :meth:`GraphRows.draft_plugin`: ``draft_plugin.onnx`` (``DFlashBlockAttention`` nodes, prefix I/O), one row per
   call, since the op's rows share one context length.
 """
