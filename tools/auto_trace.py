@@ -13,11 +13,12 @@ given arguments, and records, for the adaptive session only:
 - how long each decision took, by its reason (timed before this tool's own logging);
 - with ``--steps FILE`` (a TSV), every step of the adaptive session, plain decoding's passes in it included
   (``ar_auto``): whether its requests can draft, batch size, drafting rows, verify width, rows that keep a drafter
-  (their verify computes context taps), the step's seconds, its verify's and its draft's, when it ended, and the
-  bench pass it belongs to (the bench's ``ar_auto`` and ``dflash_auto`` passes of the adaptive session; warm-up passes
-  included). Per pass of more than one step this prints its steps, its wall time, and where the time went (steps at
-  its full batch, at a smaller one, drafting steps, plain steps where some row keeps a drafter, time outside the
-  steps: admitting and prefilling requests).
+  (their verify computes context taps), the step's seconds, its verify's and its draft's, when it ended, the bench
+  pass it belongs to (the bench's ``ar_auto`` and ``dflash_auto`` passes of the adaptive session; warm-up passes
+  included), the tokens it committed, and whether a drafting row took in context (a first draft). Per pass of more
+  than one step this prints its steps, its wall time, and where the time went (steps at its full batch, at a smaller
+  one, drafting steps, plain steps where some row keeps a drafter, time outside the steps: admitting and prefilling
+  requests).
 
 Then prints per batch size how many decisions had each outcome (a decision holds up to 8 steps while the batch is
 unchanged) and the median overheads::
@@ -92,7 +93,7 @@ def main() -> None:
         steps.append((any(entries[id(state)].memory.wanted for state in report.rows), len(report.rows),
                       report.draft_rows, report.verify_width, sum(1 for state in report.rows if state.uses_drafter),
                       report.seconds, report.verify_s, report.draft_s, time.perf_counter(), current_pass[0],
-                      current_pass[1]))
+                      current_pass[1], len(report.rows) + sum(report.accepted), report.took_in_context))
 
     planner.AutoPlanner._decide = traced_decide  # only auto sessions plan and record costs from every step
     scheduler.Scheduler.record_costs = traced_record_costs
@@ -111,7 +112,7 @@ def main() -> None:
         if args.steps:
             with open(args.steps, "w") as out:
                 out.write("drafter\tbatch\tdraft_rows\tverify_width\tkeeps_drafter\tstep_ms\tverify_ms\tdraft_ms\t"
-                          "ended_s\tpass\tmode\n")
+                          "ended_s\tpass\tmode\tcommitted\ttook_in_context\n")
                 for row in steps:
                     out.write("\t".join(str(v) if isinstance(v, (bool, int, str)) else f"{v * 1e3:.4f}" if i < 8
                                         else f"{v:.6f}" for i, v in enumerate(row)) + "\n")

@@ -10,9 +10,9 @@ trace = load_tool("auto_trace")
 def step(ended: float, number: int, mode: str = "dflash_auto", batch: int = 4, draft_rows: int = 0, keeps: int = 0,
          seconds: float = 0.002) -> tuple:
     """A ``--steps`` row: (drafter, batch, draft rows, verify width, keeps a drafter, seconds, verify, draft, ended,
-    pass, mode)."""
+    pass, mode, tokens committed, took in context)."""
     return (mode == "dflash_auto", batch, draft_rows, 1 + 3 * bool(draft_rows), keeps, seconds, seconds / 2, 0.0,
-            ended, number, mode)
+            ended, number, mode, batch + 2 * draft_rows, False)
 
 
 def test_steps_are_grouped_by_the_pass_they_ran_in():
