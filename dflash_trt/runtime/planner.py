@@ -184,13 +184,17 @@ class AutoPlanner:
     def step_took(self, seconds: float) -> None:
         """The step just run took ``seconds``: it earns ``EXPLORE_FRACTION`` of them (a share of that where a probe
         could find little: ``FULL_WORTH_GAIN``), and a drafting step is charged what it cost over plain decoding's time
-        for the tokens it committed (a gain refills the credit). An exploiting step's loss drains the credit to minus
-        the starting bank at most: it is not exploring (its length was measured and predicted to win), and the debt a
-        stretch of hard requests ran up kept a session that then retired them from probing new requests for seconds
-        (~120 ms of debt at 2% of the time served: ~6 s, while static drafting won 1.45x on an ONNX Runtime engine at
-        c=1; docs/adaptive.md, "Exploit losses lock exploration out"). Some debt stays: with none, a session whose
-        drafter loses kept probing each new request (the simulator's CPU at c=1, out of domain: 0.94x plain against
-        0.98x). A session's warming drafting steps (``CostModel.last_step_warming``) are charged at most what the costs
+        for the tokens it committed (a gain refills the credit). An exploiting step's loss drains the credit to a floor
+        of minus the starting bank times the share of it probes could not find (1 - the share time served earns,
+        ``FULL_WORTH_GAIN``): it is not exploring (its length was measured and predicted to win), and the debt a stretch
+        of hard requests ran up kept a session that then retired them from probing new requests for seconds (~120 ms
+        of debt at 2% of the time served: ~6 s, while static drafting won 1.45x on an ONNX Runtime engine at c=1;
+        docs/adaptive.md, "Exploit losses lock exploration out"). Where a better drafter would gain 2x or more (a
+        memory-bound GPU at low batch) no debt stays: a debt of the whole bank kept a session at c=1 from probing the
+        easy requests after a hard one for ~360 steps, while static k=15 won 1.2-2.6x on them (docs/adaptive.md, "Debt
+        in proportion to what probes could find"). Where probes could find little, the whole bank's debt stays: with
+        none, a session whose drafter loses kept probing each new request (the simulator's CPU at c=1, out of domain:
+        0.94x plain against 0.98x). A session's warming drafting steps (``CostModel.last_step_warming``) are charged at most what the costs
         predicted: their excess is the session's one-off warm-up, which any drafting policy pays, and on a small model
         the first one alone spent the whole starting bank."""
         plan = self._plan
@@ -205,8 +209,8 @@ class AutoPlanner:
                 drafting = sum(1 for length in plan.lengths if length)
                 seconds = min(seconds, self.costs.step(batch, drafting, max(plan.lengths)))
             charge = seconds - plan.plain_step_s * (batch + self._accepted) / batch
-            if plan.reason == "exploit":  # a measured length's loss drains it to minus the bank at most (see above)
-                charge = min(charge, max(self.credit_s + self.bank_s, 0.0))
+            if plan.reason == "exploit":  # a measured length's loss drains it to a floor below zero (see above)
+                charge = min(charge, max(self.credit_s + (1.0 - self._worth) * self.bank_s, 0.0))
             self.credit_s -= charge
         self.credit_s = min(self.credit_s, self.bank_s)
 

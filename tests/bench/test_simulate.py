@@ -84,11 +84,6 @@ COLD_PROBE_INTAKE = ("a cold session's first probe (4 rows) takes in four 32k-to
 TABLE_MISSES: dict[tuple[str, int, str, int], str] = {  # (regime, concurrency, workload, seed) -> why auto misses
     ("h200-32k", 4, "stories_t0", 1): COLD_PROBE_INTAKE,
     ("h200-32k", 16, "stories_t0", 1): COLD_PROBE_INTAKE,
-    ("cpu", 4, "stories_t0", 2): (
-        "1.05x plain against static k=7's 1.16x: after 80 steps of k=7 (1.09x realised) a stretch of hard requests "
-        "brought the session prior below plain decoding, k=3 was exploited and lost (0.81x), the batch retired, and "
-        "new requests were probed at k=3 (the length the prior expects to cost least), which loses on this regime, "
-        "so the batch decoded plainly for 618 of its 731 steps"),
 }
 
 
