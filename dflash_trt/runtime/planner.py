@@ -187,16 +187,16 @@ class AutoPlanner:
         for the tokens it committed (a gain refills the credit). An exploiting step's loss drains the credit to a floor
         of minus the starting bank times the share of it probes could not find (1 - the share time served earns,
         ``FULL_WORTH_GAIN``): it is not exploring (its length was measured and predicted to win), and the debt a stretch
-        of hard requests ran up kept a session that then retired them from probing new requests for seconds (~120 ms
-        of debt at 2% of the time served: ~6 s, while static drafting won 1.45x on an ONNX Runtime engine at c=1;
+        of hard requests ran up kept a session that then retired them from probing new requests for seconds (~120 ms of
+        debt at 2% of the time served: ~6 s, while static drafting won 1.45x on an ONNX Runtime engine at c=1;
         docs/adaptive.md, "Exploit losses lock exploration out"). Where a better drafter would gain 2x or more (a
         memory-bound GPU at low batch) no debt stays: a debt of the whole bank kept a session at c=1 from probing the
         easy requests after a hard one for ~360 steps, while static k=15 won 1.2-2.6x on them (docs/adaptive.md, "Debt
         in proportion to what probes could find"). Where probes could find little, the whole bank's debt stays: with
         none, a session whose drafter loses kept probing each new request (the simulator's CPU at c=1, out of domain:
-        0.94x plain against 0.98x). A session's warming drafting steps (``CostModel.last_step_warming``) are charged at most what the costs
-        predicted: their excess is the session's one-off warm-up, which any drafting policy pays, and on a small model
-        the first one alone spent the whole starting bank."""
+        0.94x plain against 0.98x). A session's warming drafting steps (``CostModel.last_step_warming``) are charged at
+        most what the costs predicted: their excess is the session's one-off warm-up, which any drafting policy pays,
+        and on a small model the first one alone spent the whole starting bank."""
         plan = self._plan
         if plan is None or self.credit_s is None:
             return
