@@ -244,7 +244,6 @@ class _BoundKeys:
     def __init__(self, key_cache: list[Tensor], value_cache: list[Tensor], cache_rows: Tensor,
                  masks: dict[tuple[bool, bool], Tensor]) -> None:
         self.key_cache, self.value_cache, self.cache_rows, self.masks = key_cache, value_cache, cache_rows, masks
-        self.live = cache_rows.shape[0]
         self.new_keys: list[Tensor] = []
         self.new_values: list[Tensor] = []
 
@@ -266,6 +265,7 @@ class _FusedBoundKeys(_BoundKeys):
                  masks: dict[tuple[bool, bool], Tensor], context_positions: Tensor, block_positions: Tensor,
                  cos: Tensor, sin: Tensor) -> None:
         super().__init__(key_cache, value_cache, cache_rows, masks)
+        self.live = cache_rows.shape[0]  # the attention's past: the first ``live`` cache rows, sliced
         self.block_positions, self.cos, self.sin = block_positions, cos, sin
         self.positions = torch.cat([context_positions, block_positions], dim=1)  # [B, C+T]
 
