@@ -2,12 +2,15 @@
 
     python tools/simulate_policy.py record --out dflash_trt/bench/data/acceptance_traces.json
     python tools/simulate_policy.py table --out docs/adaptive.md
+    python tools/simulate_policy.py mixed --regime cpu --concurrency 16 --workload stories_t0 --seeds 0,1,2
 
 ``record`` serves shipped prompt sets on the embedded stories260K pair (torch backend, static speculation,
 the whole block) and stores each request's per-cycle accepted drafts, plus two synthetic workloads.
 ``table`` runs the unchanged scheduler and policy on the simulated backend (``dflash_trt/bench/simulate.py``)
 for every regime x concurrency x workload and writes the ratios to a markdown file between markers (the rest
-of the file is kept).
+of the file is kept). ``mixed`` runs one cell on a workload of mixed lengths (``acceptance_traces.mixed_lengths``:
+every 4th request six recorded responses long), 2 requests per slot, and prints each policy's speed over plain
+decoding per seed: where the batch shrinks with long requests left.
 """
 
 from __future__ import annotations
@@ -78,6 +81,19 @@ def table(out: Path, seed: int, requests_per_slot: int, jobs: int) -> None:
     print(f"{len(rows)} cells in {time.perf_counter() - began:.1f} s -> {out}")
 
 
+def mixed(regime: str, concurrency: int, workload: str, seeds: list[int], every: int, joined: int) -> None:
+    from dflash_trt.bench import simulate
+
+    long_and_short = traces.mixed_lengths(traces.load()[workload], every, joined)
+    print(f"{regime}, c={concurrency}, {long_and_short.description}, 2 requests per slot: tokens/s over plain decoding")
+    for seed in seeds:
+        cell = simulate.cell(regime, concurrency, long_and_short, seed=seed, requests_per_slot=2,
+                             policies=("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto"))
+        statics = "  ".join(f"{p} {cell.ratio(p):.3f}x" for p in cell.results if p.startswith("static:"))
+        print(f"seed {seed}: {statics}  auto {cell.ratio('auto'):.3f}x ({cell.ratio('auto') / cell.best_fixed:.2f} of "
+              f"the best fixed choice)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,11 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     tab.add_argument("--seed", type=int, default=0)
     tab.add_argument("--requests-per-slot", type=int, default=4)
     tab.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (cells run in parallel)")
+    mix = sub.add_parser("mixed", help="one cell on a workload of mixed lengths, per seed")
+    mix.add_argument("--regime", default="cpu")
+    mix.add_argument("--concurrency", type=int, default=16)
+    mix.add_argument("--workload", default="stories_t0")
+    mix.add_argument("--seeds", default="0,1,2", help="comma-separated")
+    mix.add_argument("--every", type=int, default=4, help="one request in this many is long")
+    mix.add_argument("--joined", type=int, default=6, help="recorded responses a long request is made of")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.out)
-    else:
+    elif args.command == "table":
         table(args.out, args.seed, args.requests_per_slot, args.jobs)
+    else:
+        mixed(args.regime, args.concurrency, args.workload, [int(s) for s in args.seeds.split(",")], args.every,
+              args.joined)
     return 0
 
 

@@ -125,3 +125,14 @@ def synthetic(name: str, description: str, alphas: list[float], prompt_lengths: 
             produced += accepted + 1
         requests.append(tuple(cycles))
     return Workload(name, description, len(alphas) + 1, tuple(prompt_lengths), tuple(requests))
+
+
+def mixed_lengths(workload: Workload, every: int, joined: int) -> Workload:
+    """``workload`` with every ``every``-th request (the last of each group of ``every``) made ``joined`` times as long:
+    its recorded cycles followed by those of the ``joined - 1`` requests after it. A batch of such requests shrinks,
+    as they end, to the long ones with hundreds of tokens left (a server whose load falls, long requests in flight)."""
+    count = len(workload.requests)
+    requests = tuple(tuple(a for j in range(joined) for a in workload.requests[(i + j) % count])
+                     if i % every == every - 1 else workload.requests[i] for i in range(count))
+    return Workload(f"{workload.name}_mixed", f"{workload.description}; every {every}th request {joined}x as long",
+                    workload.block_len, workload.prompt_lengths, requests)

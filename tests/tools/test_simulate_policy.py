@@ -1,0 +1,29 @@
+"""tools/simulate_policy.py's ``mixed`` cell, and the workload of mixed lengths it runs (bench/acceptance_traces.py)."""
+
+from __future__ import annotations
+
+from repo_tool import load_tool
+
+from dflash_trt.bench import acceptance_traces as traces
+
+simulate_policy = load_tool("simulate_policy")
+
+
+def test_every_fourth_request_is_six_recorded_responses_long_and_the_rest_are_unchanged():
+    stories = traces.load()["stories_t0"]
+    mixed = traces.mixed_lengths(stories, every=4, joined=6)
+    count = len(stories.requests)
+    assert mixed.prompt_lengths == stories.prompt_lengths and len(mixed.requests) == count
+    for i in range(count):
+        if i % 4 == 3:
+            expected = sum((len(stories.positions(i + j)) for j in range(6)), 0)
+            assert len(mixed.positions(i)) == expected > 5 * len(stories.positions(i)) // 2
+        else:
+            assert mixed.requests[i] == stories.requests[i]
+
+
+def test_the_mixed_cell_prints_each_policy_over_plain_decoding_per_seed(capsys):
+    assert simulate_policy.main(["mixed", "--regime", "h200-1k", "--concurrency", "4", "--seeds", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("h200-1k, c=4, ") and "every 4th request 6x as long" in out[0]
+    assert out[1].startswith("seed 0: static:1 ") and " auto " in out[1] and out[1].endswith("of the best fixed choice)")
