@@ -94,6 +94,19 @@ def mixed(regime: str, concurrency: int, workload: str, seeds: list[int], every:
               f"the best fixed choice)")
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer; expected 1 or more")
+    return int(text)
+
+
+def _seeds(text: str) -> list[int]:
+    parts = text.split(",")
+    if not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers; expected e.g. 0,1,2")
+    return [int(part) for part in parts]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,21 +117,22 @@ def main(argv: list[str] | None = None) -> int:
     tab.add_argument("--seed", type=int, default=0)
     tab.add_argument("--requests-per-slot", type=int, default=4)
     tab.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (cells run in parallel)")
+    from dflash_trt.bench.sim_regimes import REGIMES
+
     mix = sub.add_parser("mixed", help="one cell on a workload of mixed lengths, per seed")
-    mix.add_argument("--regime", default="cpu")
-    mix.add_argument("--concurrency", type=int, default=16)
-    mix.add_argument("--workload", default="stories_t0")
-    mix.add_argument("--seeds", default="0,1,2", help="comma-separated")
-    mix.add_argument("--every", type=int, default=4, help="one request in this many is long")
-    mix.add_argument("--joined", type=int, default=6, help="recorded responses a long request is made of")
+    mix.add_argument("--regime", default="cpu", choices=list(REGIMES))
+    mix.add_argument("--concurrency", type=_positive, default=16)
+    mix.add_argument("--workload", default="stories_t0", choices=list(traces.load()))
+    mix.add_argument("--seeds", type=_seeds, default="0,1,2", help="comma-separated integers")
+    mix.add_argument("--every", type=_positive, default=4, help="one request in this many is long")
+    mix.add_argument("--joined", type=_positive, default=6, help="recorded responses a long request is made of")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.out)
     elif args.command == "table":
         table(args.out, args.seed, args.requests_per_slot, args.jobs)
     else:
-        mixed(args.regime, args.concurrency, args.workload, [int(s) for s in args.seeds.split(",")], args.every,
-              args.joined)
+        mixed(args.regime, args.concurrency, args.workload, args.seeds, args.every, args.joined)
     return 0
 
 

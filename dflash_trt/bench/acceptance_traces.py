@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from dflash_trt.errors import RequestError
+from dflash_trt.errors import ConfigError, RequestError
 
 FORMAT = "dflash-acceptance-traces"
 VERSION = 1
@@ -131,6 +131,9 @@ def mixed_lengths(workload: Workload, every: int, joined: int) -> Workload:
     """``workload`` with every ``every``-th request (the last of each group of ``every``) made ``joined`` times as long:
     its recorded cycles followed by those of the ``joined - 1`` requests after it. A batch of such requests shrinks,
     as they end, to the long ones with hundreds of tokens left (a server whose load falls, long requests in flight)."""
+    for name, value in (("every", every), ("joined", joined)):
+        if value < 1:
+            raise ConfigError(f"{name} is {value}; expected 1 or more. Fix: pass a positive {name}.")
     count = len(workload.requests)
     requests = tuple(tuple(a for j in range(joined) for a in workload.requests[(i + j) % count])
                      if i % every == every - 1 else workload.requests[i] for i in range(count))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from repo_tool import load_tool
 
 from dflash_trt.bench import acceptance_traces as traces
@@ -16,8 +17,7 @@ def test_every_fourth_request_is_six_recorded_responses_long_and_the_rest_are_un
     assert mixed.prompt_lengths == stories.prompt_lengths and len(mixed.requests) == count
     for i in range(count):
         if i % 4 == 3:
-            expected = sum((len(stories.positions(i + j)) for j in range(6)), 0)
-            assert len(mixed.positions(i)) == expected > 5 * len(stories.positions(i)) // 2
+            assert len(mixed.positions(i)) == sum(len(stories.positions(i + j)) for j in range(6))
         else:
             assert mixed.requests[i] == stories.requests[i]
 
@@ -27,3 +27,12 @@ def test_the_mixed_cell_prints_each_policy_over_plain_decoding_per_seed(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("h200-1k, c=4, ") and "every 4th request 6x as long" in out[0]
     assert out[1].startswith("seed 0: static:1 ") and " auto " in out[1] and out[1].endswith("of the best fixed choice)")
+
+
+@pytest.mark.parametrize("argument, value, expected", [("--seeds", "0,x", "comma-separated list of integers"),
+                                                        ("--every", "0", "not a positive integer"),
+                                                        ("--workload", "stories", "invalid choice")])
+def test_a_bad_argument_is_refused_with_what_was_expected(capsys, argument, value, expected):
+    with pytest.raises(SystemExit):
+        simulate_policy.main(["mixed", argument, value])
+    assert expected in capsys.readouterr().err
