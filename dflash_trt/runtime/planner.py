@@ -47,7 +47,6 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -104,10 +103,6 @@ REALISED_STEPS = 256
 CLEAR_WIN = 1.2
 """... and how much faster than plain decoding drafting must have run at a batch size, realised, for the batch to draft
 whatever the prediction says (see :meth:`AutoPlanner.realised_gain`)."""
-
-KEPT_STEPS = 64
-"""Plain steps per batch size, with and without a request keeping its drafter, whose times give what keeping one
-costs a step (``AutoPlanner.keep_excess``)."""
 
 PRIOR_CYCLES = 256
 """Cycles the session prior spans at most ..."""
@@ -177,8 +172,6 @@ class AutoPlanner:
         self._worth = 1.0  # share of ``EXPLORE_FRACTION`` the time served earns (``FULL_WORTH_GAIN``; 1 until informed)
         # (batch size, drafting) -> its last steps' (tokens committed, seconds over the load they ran at)
         self._realised: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
-        # (batch size, some request kept its drafter) -> its last plain steps' seconds over the load they ran at
-        self._plain: dict[tuple[int, bool], deque[float]] = {}
 
     @property
     def informed(self) -> bool:
@@ -211,11 +204,6 @@ class AutoPlanner:
         steps = self._realised.setdefault((batch, any(plan.lengths)), deque(maxlen=REALISED_STEPS))
         steps.append((batch + self._accepted, seconds / self.costs.load))
         self.credit_s += EXPLORE_FRACTION * self._worth * seconds
-        if not any(plan.lengths):
-            kept = [r for r in self._batch if not r.retired and r.wanted > 0]
-            self._plain.setdefault((batch, bool(kept)), deque(maxlen=KEPT_STEPS)).append(seconds / self.costs.load)
-            if self.informed and any(not r.ready for r in kept):  # waiting to be probed is exploring: charged
-                self.credit_s -= self.keep_excess(batch) * self.costs.load
         if plan.reason in ("explore", "exploit"):  # settled against plain decoding's time for the same tokens
             if self.costs.last_step_warming:
                 drafting = sum(1 for length in plan.lengths if length)
@@ -225,20 +213,6 @@ class AutoPlanner:
                 charge = min(charge, max(self.credit_s + (1.0 - self._worth) * self.bank_s, 0.0))
             self.credit_s -= charge
         self.credit_s = min(self.credit_s, self.bank_s)
-
-    def keep_excess(self, batch: int) -> float:
-        """Seconds a plain step at this batch size took lately over one where no request kept its drafter (medians of
-        the last ``KEPT_STEPS`` of each, over the load they ran at; 0 until each kind ran 8): the context taps every
-        row's verify computes while one request keeps a drafter, and their host work. On torch at c=16, ~0.5 ms of a
-        2.7 ms step, in 86-166 of each 380-step pass of the bench command, for requests waiting to be probed
-        (docs/adaptive.md, "Waiting to be probed is exploring"). An excess within ``MARGIN`` of the step is noise and
-        counts as 0: charged, the simulator's noise (whose taps cost nothing) took seed 2's `cpu` c=4 `stories_t0`
-        cell from 0.96 to 0.91 of static k=7."""
-        kept, free = self._plain.get((batch, True)), self._plain.get((batch, False))
-        if not kept or not free or min(len(kept), len(free)) < 8:
-            return 0.0
-        excess = statistics.median(kept) - statistics.median(free)
-        return excess if excess > MARGIN * statistics.median(free) else 0.0  # within 5%: noise, not charged
 
     def realised_gain(self, batch: int) -> float | None:
         """Tokens per second the session's last ``REALISED_STEPS`` drafting steps at this batch size committed, over
@@ -306,10 +280,8 @@ class AutoPlanner:
         explored = self._explore(requests, wanted, prior, plain_step)
         if explored is not None:
             return Plan(explored, "explore", plain_step)
-        if self.informed and self._loses(prior, capable):  # those not far enough in to be probed yet wait for it,
-            # while the credit pays for their wait (``keep_excess``: every verify of the batch computes taps meanwhile)
-            paid = self.credit_s >= 0 or not self.keep_excess(batch)
-            self._retire(requests, [i for i in live if requests[i].ready or not paid])
+        if self.informed and self._loses(prior, capable):  # those not far enough in to be probed yet wait for it
+            self._retire(requests, [i for i in live if requests[i].ready])
         return Plan([0] * batch, "plain", plain_step)
 
     @staticmethod

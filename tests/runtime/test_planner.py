@@ -448,30 +448,3 @@ def test_time_served_earns_exploration_in_proportion_to_what_a_better_drafter_co
         planner.plan(batch)
         planner.step_took(1e-3)
     assert planner.credit_s == pytest.approx(EXPLORE_FRACTION * 100 * 1e-3 * expected)
-
-
-@pytest.mark.parametrize("kept_s, charged", [(1.3e-3, True), (1.02e-3, False)])
-def test_waiting_to_be_probed_is_charged_what_keeping_a_drafter_costs_and_stops_when_the_credit_cannot_pay(
-        kept_s, charged):
-    """A request waits to be probed until 16 tokens into its response, keeping its drafter, and every verify of the
-    batch computes context taps meanwhile. What that costs (plain steps with a drafter kept over those without, both
-    measured) is charged to the exploration credit, and once the credit is spent a new request retires at once instead
-    of waiting. An excess within 5% is noise and waiting stays free."""
-    costs = measured(dict(verify_base=1e-3, verify_per_token=2e-5, draft_base=1e-3, draft_per_token=2e-5))
-    planner = AutoPlanner(costs, prior_with([(15, 0)] * 100))
-    retired = [RequestMemory(15, AcceptanceTracker(16, 15), retired=True) for _ in range(4)]
-    for _ in range(8):
-        planner.plan(retired)
-        planner.step_took(1e-3)
-        waiting = retired[:3] + [RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS)]
-        planner.plan(waiting)
-        assert not waiting[3].retired
-        before = planner.credit_s
-        planner.step_took(kept_s)
-    assert planner.keep_excess(4) == (pytest.approx(0.3e-3) if charged else 0.0)
-    earned = EXPLORE_FRACTION * planner._worth * kept_s
-    assert planner.credit_s == pytest.approx(min(before + earned - (0.3e-3 if charged else 0.0), planner.bank_s))
-    planner.credit_s = -1e-3  # spent
-    new = retired[:3] + [RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS)]
-    assert planner.plan(new).lengths == [0] * 4
-    assert new[3].retired is charged
