@@ -81,10 +81,11 @@ def table(out: Path, seed: int, requests_per_slot: int, jobs: int) -> None:
     print(f"{len(rows)} cells in {time.perf_counter() - began:.1f} s -> {out}")
 
 
-def mixed(regime: str, concurrency: int, workload: str, seeds: list[int], every: int, joined: int) -> None:
+def mixed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], every: int,
+          joined: int) -> None:
     from dflash_trt.bench import simulate
 
-    long_and_short = traces.mixed_lengths(traces.load()[workload], every, joined)
+    long_and_short = traces.mixed_lengths(workload, every, joined)
     print(f"{regime}, c={concurrency}, {long_and_short.description}, 2 requests per slot: tokens/s over plain decoding")
     for seed in seeds:
         cell = simulate.cell(regime, concurrency, long_and_short, seed=seed, requests_per_slot=2,
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     mix = sub.add_parser("mixed", help="one cell on a workload of mixed lengths, per seed")
     mix.add_argument("--regime", default="cpu", choices=list(REGIMES))
     mix.add_argument("--concurrency", type=_positive, default=16)
-    mix.add_argument("--workload", default="stories_t0", choices=list(traces.load()))
+    mix.add_argument("--workload", default="stories_t0", help="a workload of the shipped traces")
     mix.add_argument("--seeds", type=_seeds, default="0,1,2", help="comma-separated integers")
     mix.add_argument("--every", type=_positive, default=4, help="one request in this many is long")
     mix.add_argument("--joined", type=_positive, default=6, help="recorded responses a long request is made of")
@@ -131,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         record(args.out)
     elif args.command == "table":
         table(args.out, args.seed, args.requests_per_slot, args.jobs)
-    else:
-        mixed(args.regime, args.concurrency, args.workload, args.seeds, args.every, args.joined)
+    else:  # the traces are read here, not for every command: ``record`` rewrites them
+        workloads = traces.load()
+        if args.workload not in workloads:
+            mix.error(f"argument --workload: invalid choice: {args.workload!r} (choose from {', '.join(workloads)})")
+        mixed(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.every, args.joined)
     return 0
 
 
