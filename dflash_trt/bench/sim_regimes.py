@@ -7,15 +7,19 @@ computed), and the host time of a scheduler step outside its forwards:
   ``dflash-trt bench`` measured (docs/benchmarks.md, "Engines": plain step 0.58 ms, verify(16) 0.81 ms,
   draft(16) 0.69 ms and 0.32 ms of other work per cycle at c=1; a 16-row x 16-token verify 5.5-8 ms; plain
   decoding at c=16 ~5x its c=1 throughput; attention ~14 ns per key, head and layer), as a base plus a per-token
-  term (tests/cost_tables.py's form). Draft calls are priced batched (the torch backend's; the engine's drafter
+  term (tests/cost_tables.py's form). A verify that hands over context taps (some row keeps a drafter) costs
+  11 us more per row: plain steps of drafting requests took 1.73 ms against plain requests' 1.55 ms at batch 16
+  (``tools/plain_steps_ab.py``, docs/adaptive.md, "Waiting for a guess"). Draft calls are priced batched (the torch backend's; the engine's drafter
   takes one request per call, which makes drafting dearer at c > 1 than here).
 - ``cpu-0.6b``: a Qwen3-0.6B-shaped target with a 1-layer drafter (tools/make_checkpoints.py), torch eager
   float32 on the same CPU, from one ``dflash-trt bench ... --concurrency 1 --max-new-tokens 32`` cell: plain
   verify 142 ms, verify(16) 389 ms, draft(16) 177 ms, 0.2 ms / 2.2 ms of other work per plain / drafting
-  step. A cycle costs ~4x a plain step: the case where a cold session's probes hurt most.
+  step. A cycle costs ~4x a plain step: the case where a cold session's probes hurt most. Context taps are not
+  priced here (a few tens of microseconds a row against a 142 ms verify).
 - roofline (``h200-1k``, ``h200-32k``): an 8B bf16 target (Qwen3-8B's shape) and a ~1B bf16 drafter on an
   H200-class GPU: each forward costs ``max(bytes / bandwidth, flops / peak)`` plus a fixed launch overhead,
-  where bytes are the weights plus the KV cache each row reads (growing with its context) and flops are
+  where bytes are the weights plus the KV cache each row reads (growing with its context) plus, when it hands
+  over context taps, the tapped hidden states it writes (5 layers x 4096 x bf16 a token), and flops are
   2 x parameters per token plus attention over the context. Host work per step: 0.3 ms + 5 us per row (plain),
   0.5 ms + 15 us per row (drafting), assumed.
 - ``compute-bound``: the same at 35% of the peak FLOP rate, so a forward is compute-bound from ~70 tokens
@@ -44,6 +48,7 @@ class Linear:
     step_row_s: float  # ... plus this per row
     drafting_s: float  # host time of a drafting step ...
     drafting_row_s: float  # ... plus this per row
+    tap_row_s: float = 0.0  # per row of a verify that hands over context taps
 
 
 @dataclass(frozen=True)
@@ -68,18 +73,22 @@ class Regime:
     draft_kv_bytes = 5 * 8 * 128 * 2 * 2
     draft_attn_flops = 4 * 5 * 32 * 128
     draft_tap_flops = 2 * 0.126e9  # per context tap taken in: the fc projection and the K/V projections
+    target_tap_bytes = 5 * 4096 * 2  # per token of a verify that hands over context taps: 5 layers' hidden, bf16
     gpu_step_s = 300e-6  # host work of a plain step (sampling, bookkeeping) ...
     gpu_step_row_s = 5e-6  # ... plus this per row
     gpu_drafting_s = 500e-6  # host work of a drafting step (acceptance, draft ids to the host) ...
     gpu_drafting_row_s = 15e-6  # ... plus this per row
 
-    def verify(self, rows: list[tuple[int, int]]) -> float:
-        """A target forward over ``rows`` of ``(context, width)``."""
+    def verify(self, rows: list[tuple[int, int]], taps: bool = False) -> float:
+        """A target forward over ``rows`` of ``(context, width)``; ``taps``: it hands over context taps (some row
+        keeps a drafter), for every row."""
         tokens = sum(w for _, w in rows)
         if self.linear is not None:
             cpu = self.linear
-            return cpu.verify_base + cpu.verify_token * tokens + cpu.key_s * sum(c + w for c, w in rows)
-        nbytes = 2 * self.target_params + self.target_kv_bytes * sum(c + w for c, w in rows)
+            return (cpu.verify_base + cpu.verify_token * tokens + cpu.key_s * sum(c + w for c, w in rows)
+                    + (cpu.tap_row_s * len(rows) if taps else 0.0))
+        nbytes = (2 * self.target_params + self.target_kv_bytes * sum(c + w for c, w in rows)
+                  + (self.target_tap_bytes * tokens if taps else 0))
         flops = 2 * self.target_params * tokens + self.target_attn_flops * sum(w * (c + w) for c, w in rows)
         return self.launch_s + max(nbytes / self.bandwidth, flops / (self.peak_flops * self.efficiency))
 
@@ -110,7 +119,7 @@ class Regime:
 
 EMBEDDED_ORT = Linear(verify_base=0.405e-3, verify_token=0.025e-3, draft_base=0.30e-3, draft_token=0.024e-3,
                       key_s=5 * 8 * 14e-9, step_s=0.09e-3, step_row_s=0.06e-3, drafting_s=0.26e-3,
-                      drafting_row_s=0.12e-3)
+                      drafting_row_s=0.12e-3, tap_row_s=11e-6)
 QWEN3_06B_TORCH = Linear(verify_base=125.8e-3, verify_token=16.4e-3, draft_base=60e-3, draft_token=7.3e-3,
                          key_s=0.0, step_s=0.2e-3, step_row_s=0.05e-3, drafting_s=2.1e-3, drafting_row_s=0.1e-3)
 

@@ -139,7 +139,7 @@ class SimBackend:
             accepted = self.accepted(row.slot, row.start, len(row.tokens) - 1)
             out.append((self._verdict(width, accepted), self._tap_rows(width) if with_taps else None))
         if priced:
-            self._spend(self.regime.verify(priced))
+            self._spend(self.regime.verify(priced, with_taps))
             self._charged = {row.slot for row in rows if row.slot in self.slots and not row.last_only}
             self._step_rows = len(self._charged)
         return out
@@ -259,6 +259,7 @@ def run(regime: Regime, workload: Workload, concurrency: int, policy: str, *, se
     backend = SimBackend(regime, clock, load, concurrency, specs)
     costs = CostModel(warming_steps=0)  # simulated steps cost the same from the first one: nothing warms
     speculation = _speculation(policy)
+    block_len = 1 if policy == "plain" else workload.block_len  # plain decoding keeps no drafter (no context taps)
     if policy == "auto":
         longest = max(len(workload.positions(i)) for i in range(len(workload.requests)))
         max_seq_len = (regime.context or max(workload.prompt_lengths)) + longest + 2
@@ -273,7 +274,7 @@ def run(regime: Regime, workload: Workload, concurrency: int, policy: str, *, se
 
         def make_state(slot: int) -> RequestState:
             prompt = [-request_id - 1] + [0] * (prompt_len - 1)
-            return RequestState(slot, prompt, SamplingParams(max_new_tokens=len(accept) + 1), workload.block_len,
+            return RequestState(slot, prompt, SamplingParams(max_new_tokens=len(accept) + 1), block_len,
                                 frozenset({STOP_ID}), MASK_ID, torch.Generator())
 
         def sink(cycle) -> None:
