@@ -37,7 +37,11 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    (docs/adaptive.md, "Waiting for a guess"), and a later batch tries it once the credit covers it. Both judgements
    (hopeless, plain for the prior) count every request with a drafter, the retired ones included: judged by its
    live requests alone, a request joining a batch of retired ones looked hopeless by itself (a wide verify is paid
-   by every row) and retired in turn, so a batch that retired once never drafted again.
+   by every row) and retired in turn, so a batch that retired once never drafted again. A request not yet
+   ``PROBE_AFTER_TOKENS`` in waits with its drafter only for a probe that will run: one the credit, with what the
+   steps until then earn, will cover (or while the prior says the batch would draft, on a guessed price); waiting
+   for nothing cost the batch context taps every step (docs/adaptive.md, "Waiting only for a probe the credit will
+   pay").
 6. **What happened outranks what is predicted.** Before a batch decodes plainly on a prediction, the planner looks
    at the tokens per second its drafting and plain steps at this batch size realised lately
    (:meth:`AutoPlanner.realised_gain`); where drafting clearly won (``CLEAR_WIN``), the batch drafts the best
@@ -281,8 +285,33 @@ class AutoPlanner:
         if explored is not None:
             return Plan(explored, "explore", plain_step)
         if self.informed and self._loses(prior, capable):  # those not far enough in to be probed yet wait for it
-            self._retire(requests, [i for i in live if requests[i].ready])
+            self._retire(requests, [i for i in live if requests[i].ready]
+                         + self._unaffordable_waits(requests, [i for i in live if not requests[i].ready], wanted,
+                                                    capable, prior, plain_step))
         return Plan([0] * batch, "plain", plain_step)
+
+    def _unaffordable_waits(self, requests: list[RequestMemory], waiting: list[int], wanted: list[int],
+                            capable: list[int], prior: list[float], plain_step: float) -> list[int]:
+        """The waiting requests whose probe the credit will not cover by the time they are ready (those closest to
+        ready first; the credit grows by what the steps until then earn), or that ``_explore`` would not probe at all:
+        keeping their drafters meanwhile hands over context taps every step for nothing (docs/adaptive.md, "Waiting
+        only for a probe the credit will pay")."""
+        if not waiting or auto_length(self.costs, [prior] * len(requests), capable)[0]:
+            return []  # the prior says the batch would draft, on a guessed price: once they are live, it may try it
+        if not auto_length(self.costs, [self._hopeful(prior)] * len(requests), wanted)[0]:
+            return waiting
+        length, cycle_s = self._probe([requests[i].wanted if i == waiting[0] else 0 for i in range(len(requests))],
+                                      prior, plain_step)
+        if not length:
+            return waiting
+        earned_per_step = EXPLORE_FRACTION * self._worth * plain_step
+        credit, unaffordable = self.credit_s, []
+        for i in sorted(waiting, key=lambda i: requests[i].probe_after - requests[i].generated):
+            if credit + earned_per_step * (requests[i].probe_after - requests[i].generated) < cycle_s:
+                unaffordable.append(i)  # what ``_explore`` would find when it is ready
+            else:
+                credit -= PROBE_CYCLES * cycle_s
+        return unaffordable
 
     @staticmethod
     def _retire(requests: list[RequestMemory], live: list[int]) -> None:
@@ -320,14 +349,20 @@ class AutoPlanner:
             return None
         chosen = set(explorers)
         probing = [w if i in chosen else 0 for i, w in enumerate(wanted)]
-        _, rates = auto_length(self.costs, [prior] * batch, probing)  # the probe the prior expects to cost least
+        length, cycle_s = self._probe(probing, prior, plain_step)
+        return [min(length, w) for w in probing] if length and cycle_s <= self.credit_s else None
+
+    def _probe(self, probing: list[int], prior: list[float], plain_step: float) -> tuple[int, float]:
+        """The length a probe of the rows with ``probing[i] > 0`` drafts, the one the prior expects to run fastest,
+        and what one cycle of it is predicted to cost over plain decoding's time for the tokens the prior expects it to
+        commit; (0, 0.0) where no length is a candidate."""
+        batch, rows = len(probing), [w for w in probing if w]
+        _, rates = auto_length(self.costs, [prior] * batch, probing)
         length = max((k for k in rates if k), key=rates.get, default=0)
         if not length:
-            return None
-        tokens = batch + sum(expected_tokens(prior, min(length, probing[i])) - 1 for i in explorers)
-        if self.costs.step(batch, len(explorers), length) - plain_step * tokens / batch > self.credit_s:
-            return None
-        return [min(length, w) for w in probing]
+            return 0, 0.0
+        tokens = batch + sum(expected_tokens(prior, min(length, w)) - 1 for w in rows)
+        return length, self.costs.step(batch, len(rows), length) - plain_step * tokens / batch
 
     def _hopeful(self, prior: list[float]) -> list[float]:
         """Per position, the better of: halfway from the prior's α to 1 (a request better than average), and

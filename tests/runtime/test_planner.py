@@ -348,6 +348,26 @@ def test_an_informed_session_probes_a_request_once_it_is_into_its_response_and_a
     assert AutoPlanner(measured(GPU), AcceptanceTracker(256, 64)).plan([cold]).reason == "explore"
 
 
+def test_a_request_keeps_its_drafter_while_it_waits_only_if_the_credit_will_pay_its_probe():
+    """While a request waits to be probed, every verify of its batch hands over context taps for its drafter (11 us a
+    row on an ONNX Runtime engine). Where the prior says plain decoding and the credit will not cover a probe by the
+    time the request is ready, it would retire then unprobed: it retires at once."""
+    def waiting_request() -> RequestMemory:
+        return RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS)
+
+    solvent = AutoPlanner(measured(GPU), prior_with([(15, 0)] * 100))  # the drafter did badly lately
+    kept = waiting_request()
+    assert solvent.plan([kept]).lengths == [0] and not kept.retired
+    in_debt = AutoPlanner(measured(GPU), prior_with([(15, 0)] * 100))
+    in_debt.plan([request()])
+    in_debt.credit_s = -in_debt.bank_s  # 16 steps earn ~0.3% of that back
+    dropped = waiting_request()
+    assert in_debt.plan([dropped]).lengths == [0] and dropped.retired
+    almost = waiting_request()
+    almost.generated = PROBE_AFTER_TOKENS - 1  # ready next step: the same verdict
+    assert in_debt.plan([almost]).lengths == [0] and almost.retired
+
+
 def test_traffic_slower_than_the_calibration_does_not_make_drafting_look_cheaper():
     """At batch 16 on a CPU a 3-draft cycle loses to plain decoding at calibrated costs. Traffic then measures
     plain steps 1.5x slower than calibrated (longer contexts, a busier machine): without scaling the points
