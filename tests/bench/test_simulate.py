@@ -92,25 +92,9 @@ COLD_PROBE_INTAKE = ("a cold session's first probe (4 rows) takes in four 32k-to
                      "weigh 5-8%; charging a cold probe no more than predicted fixed both cells but left two cells of "
                      "the docs table below 0.95x plain at seed 0 (docs/adaptive.md, \"Tried and dropped: a cold "
                      "probe's prompt intake\")")
-HARD_STRETCH_AT_LOW_BATCH = ("after a hard stretch the prior says plain decoding; each new request waits 16 tokens "
-                             "with its drafter kept (its verifies hand over context taps, 11 us a row on the engine "
-                             "this regime models), is probed at k=3 (the length the prior expects to cost least), "
-                             "which tells nothing past position 3, and retires: at c=1 E(15) stays at 2.1-2.5 tokens "
-                             "while the stories accept 4.3, and the realised gain (1.17-1.19x) stays below CLEAR_WIN "
-                             "(at c=4, E(15) stays at ~3.5 and k=7 is priced at 0.92-0.96x plain decoding); the real "
-                             "engine at c=1 shows the same pattern (docs/adaptive.md, \"Context taps priced\")")
-SHALLOW_COLD_PROBES = ("the cold session's probes run at k=3 and k=1 (the lengths the prior expects to cost least) "
-                       "on the responses' first cycles, and the prior's E(15) starts at 1.75 tokens against the 4.3 "
-                       "these stories accept; later probes at k=1-3 tell nothing past position 3, so k=7 (1.05x plain "
-                       "here) stays a guessed length the prior prices below plain decoding (0.95 of it before requests "
-                       "stopped waiting for probes the credit would not pay; docs/adaptive.md, \"Waiting only for a "
-                       "probe the credit will pay\")")
 TABLE_MISSES: dict[tuple[str, int, str, int], str] = {  # (regime, concurrency, workload, seed) -> why auto misses
     ("h200-32k", 4, "stories_t0", 1): COLD_PROBE_INTAKE,
     ("h200-32k", 16, "stories_t0", 1): COLD_PROBE_INTAKE,
-    ("cpu", 1, "stories_t0", 2): HARD_STRETCH_AT_LOW_BATCH,
-    ("cpu", 4, "stories_t0", 2): HARD_STRETCH_AT_LOW_BATCH,
-    ("cpu", 4, "stories_t0", 1): SHALLOW_COLD_PROBES,
 }
 
 
