@@ -3,6 +3,7 @@
     python tools/simulate_policy.py record --out dflash_trt/bench/data/acceptance_traces.json
     python tools/simulate_policy.py table --out docs/adaptive.md
     python tools/simulate_policy.py mixed --regime cpu --concurrency 16 --workload stories_t0 --seeds 0,1,2
+    python tools/simulate_policy.py by-start
 
 ``record`` serves shipped prompt sets on the embedded stories260K pair (torch backend, static speculation,
 the whole block) and stores each request's per-cycle accepted drafts, plus two synthetic workloads.
@@ -10,7 +11,8 @@ the whole block) and stores each request's per-cycle accepted drafts, plus two s
 for every regime x concurrency x workload and writes the ratios to a markdown file between markers (the rest
 of the file is kept). ``mixed`` runs one cell on a workload of mixed lengths (``acceptance_traces.mixed_lengths``:
 every 4th request six recorded responses long), 2 requests per slot, and prints each policy's speed over plain
-decoding per seed: where the batch shrinks with long requests left.
+decoding per seed: where the batch shrinks with long requests left. ``by-start`` prints, per shipped workload, the
+tokens a cycle commits by where in its response it starts (tokens 0-15, 16-31, 32-127): what a probe made there reads.
 """
 
 from __future__ import annotations
@@ -95,6 +97,15 @@ def mixed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[
               f"the best fixed choice)")
 
 
+def by_start() -> None:
+    starts, end = (0, 16, 32), 128
+    ranges = [f"{a}-{b - 1}" for a, b in zip(starts, [*starts[1:], end])]
+    print(f"tokens committed per cycle, by the output token it starts at ({', '.join(ranges)}):")
+    for name, workload in traces.load().items():
+        means = workload.tokens_per_cycle_by_start(starts, end)
+        print(f"  {name}: " + ", ".join("-" if m is None else f"{m:.2f}" for m in means))
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer; expected 1 or more")
@@ -127,11 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     mix.add_argument("--seeds", type=_seeds, default="0,1,2", help="comma-separated integers")
     mix.add_argument("--every", type=_positive, default=4, help="one request in this many is long")
     mix.add_argument("--joined", type=_positive, default=6, help="recorded responses a long request is made of")
+    sub.add_parser("by-start", help="tokens a cycle commits by where in its response it starts, per workload")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.out)
     elif args.command == "table":
         table(args.out, args.seed, args.requests_per_slot, args.jobs)
+    elif args.command == "by-start":
+        by_start()
     else:  # the traces are read here, not for every command: ``record`` rewrites them
         workloads = traces.load()
         if args.workload not in workloads:

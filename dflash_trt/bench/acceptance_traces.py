@@ -53,6 +53,21 @@ class Workload:
             out.extend(range(accepted, -1, -1))
         return out
 
+    def tokens_per_cycle_by_start(self, starts: tuple[int, ...], end: int) -> list[float | None]:
+        """Mean tokens committed (the bonus included) by the cycles that start at output tokens
+        ``starts[i] .. starts[i+1] - 1`` (the last range up to ``end - 1``); None for a range no cycle starts in."""
+        bounds = [*starts, end]
+        totals, counts = [0] * len(starts), [0] * len(starts)
+        for request in self.requests:
+            start = 0
+            for accepted in request:
+                for i in range(len(starts)):
+                    if bounds[i] <= start < bounds[i + 1]:
+                        totals[i] += accepted + 1
+                        counts[i] += 1
+                start += accepted + 1
+        return [total / count if count else None for total, count in zip(totals, counts)]
+
     def to_dict(self) -> dict:
         return {"description": self.description, "block_len": self.block_len, "tau": round(self.tau, 3),
                 "prompt_lengths": list(self.prompt_lengths), "requests": [list(r) for r in self.requests]}

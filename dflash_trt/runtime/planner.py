@@ -96,8 +96,9 @@ cycles accepted 0.77 drafts on spec_bench at T=0 against 1.34 over whole respons
 stories at T=1; from the 16th token on, 1.43 and 0.39. Probes at a response's start kept a session that had met a
 stretch of hard requests decoding plainly through easy ones (docs/adaptive.md, "Probes where a response begins").
 The next 16 tokens are not typical either: in domain at T=0 cycles starting at tokens 16-31 commit 3.83 tokens
-against 4.49 from the 32nd token on (spec_bench: 2.28 against 2.46), and probed there, a session that decoded plainly
-after a hard story kept an estimate below what the stories accepted (docs/adaptive.md, "Probes 32 tokens in")."""
+against 4.49 from the 32nd token on (spec_bench: 2.28 against 2.46; ``tools/simulate_policy.py by-start``), and
+probed there, a session that decoded plainly after a hard story kept an estimate below what the stories accepted
+(docs/adaptive.md, "Probes 32 tokens in")."""
 
 PROBE_ROWS = 4
 """Requests explored in one step at most (those with the least context to take in first): enough to inform the
@@ -287,21 +288,24 @@ class AutoPlanner:
         explored = self._explore(requests, wanted, prior, plain_step)
         if explored is not None:
             return Plan(explored, "explore", plain_step)
-        if self.informed and self._loses(prior, capable):  # those not far enough in to be probed yet wait for it
-            self._retire(requests, [i for i in live if requests[i].ready]
-                         + self._unaffordable_waits(requests, [i for i in live if not requests[i].ready], wanted,
-                                                    capable, prior, plain_step))
+        if self.informed:
+            drafts, rates = auto_length(self.costs, [prior] * batch, capable)
+            if self._loses(rates, capable):  # those not far enough in to be probed yet wait for it ...
+                retiring = [i for i in live if requests[i].ready]
+                if not drafts:  # ... unless it will not come (while the prior says the batch would draft, on a
+                    # guessed price, they wait: once they are live, it may try it)
+                    waiting = [i for i in live if not requests[i].ready]
+                    retiring += self._unaffordable_waits(requests, waiting, wanted, prior, plain_step)
+                self._retire(requests, retiring)
         return Plan([0] * batch, "plain", plain_step)
 
     def _unaffordable_waits(self, requests: list[RequestMemory], waiting: list[int], wanted: list[int],
-                            capable: list[int], prior: list[float], plain_step: float) -> list[int]:
+                            prior: list[float], plain_step: float) -> list[int]:
         """The waiting requests whose probe the credit will not cover by the time they are ready (those closest to
         ready first; the credit grows by what the steps until then earn), or that ``_explore`` would not probe at all:
         keeping their drafters meanwhile hands over context taps every step for nothing (docs/adaptive.md, "Waiting
         only for a probe the credit will pay")."""
-        if not waiting or auto_length(self.costs, [prior] * len(requests), capable)[0]:
-            return []  # the prior says the batch would draft, on a guessed price: once they are live, it may try it
-        if not auto_length(self.costs, [self._hopeful(prior)] * len(requests), wanted)[0]:
+        if not waiting or not self._probe_could_pay(prior, wanted):
             return waiting
         length, cycle_s = self._probe([requests[i].wanted if i == waiting[0] else 0 for i in range(len(requests))],
                                       prior, plain_step)
@@ -321,14 +325,14 @@ class AutoPlanner:
         for i in live:
             requests[i].retired = True
 
-    def _loses(self, prior: list[float], capable: list[int]) -> bool:
+    def _loses(self, rates: dict[int, float], capable: list[int]) -> bool:
         """Should the live requests retire? Unless some length is measured to lose to plain decoding by less than
         ``MARGIN`` (a call that close is not worth retiring on for good). A length whose cost is a guess keeps no
         drafter: keeping it costs context taps every step, and waiting for the credit to try it cost more than
         the guess could win (on an ONNX Runtime engine at batch 16, plain steps with drafters 1.73 ms against
-        1.55 ms, for a k=7 trial the credit never covered and that lost: static k=15 measured 0.55x plain there)."""
+        1.55 ms, for a k=7 trial the credit never covered and that lost: static k=15 measured 0.55x plain there).
+        ``rates``: ``auto_length``'s for the session prior and every request with a drafter (``capable``)."""
         batch, drafting = len(capable), sum(1 for w in capable if w)
-        _, rates = auto_length(self.costs, [prior] * batch, capable)
         return not any(rate >= (1 - MARGIN) * rates[0] for k, rate in rates.items()
                        if k and self.costs.known(batch, drafting, k))
 
@@ -340,20 +344,24 @@ class AutoPlanner:
 
     def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float],
                  plain_step: float) -> list[int] | None:
-        """Drafts for the requests not yet probed, at the length that would pay best if their drafter beat the prior,
-        if one does and the credit covers the step's predicted net cost; else None."""
+        """Drafts for the requests not yet probed, at the length the prior expects to run fastest (``_probe``), if a
+        better drafter would pay at this batch and the credit covers a cycle's predicted net cost; else None."""
         explorers = [i for i, r in enumerate(requests)  # a cold session probes at once: anything beats nothing
                      if wanted[i] and (r.ready or not self.informed) and not (r.probed and self.informed)]
         if not explorers:  # (plain decoding is measured at this batch size: ``_decide`` saw to it)
             return None
         explorers = sorted(explorers, key=lambda i: requests[i].context)[:PROBE_ROWS]
-        batch = len(requests)
-        if not auto_length(self.costs, [self._hopeful(prior)] * batch, wanted)[0]:  # a good drafter would not pay
+        if not self._probe_could_pay(prior, wanted):
             return None
         chosen = set(explorers)
         probing = [w if i in chosen else 0 for i, w in enumerate(wanted)]
         length, cycle_s = self._probe(probing, prior, plain_step)
         return [min(length, w) for w in probing] if length and cycle_s <= self.credit_s else None
+
+    def _probe_could_pay(self, prior: list[float], wanted: list[int]) -> bool:
+        """Would drafting pay at this batch for the rows ``wanted`` if their drafter beat the prior (``_hopeful``)?
+        Where not, no probe is worth making."""
+        return bool(auto_length(self.costs, [self._hopeful(prior)] * len(wanted), wanted)[0])
 
     def _probe(self, probing: list[int], prior: list[float], plain_step: float) -> tuple[int, float]:
         """The length a probe of the rows with ``probing[i] > 0`` drafts, the one the prior expects to run fastest,

@@ -29,6 +29,13 @@ def test_positions_continue_a_recorded_run():
     assert workload.positions(0) == [3, 2, 1, 0, 0, *range(15, -1, -1)]
 
 
+def test_tokens_per_cycle_by_where_the_cycle_starts():
+    workload = acceptance_traces.Workload("w", "", 16, (4, 4), ((3, 0, 15), (0, 1)))
+    # cycles start at tokens 0, 4, 5 (first request) and 0, 1 (second); each commits accepted + 1
+    assert workload.tokens_per_cycle_by_start((0, 2, 5), 8) == [(4 + 1 + 2) / 3, 1.0, 16.0]
+    assert workload.tokens_per_cycle_by_start((0, 8), 16) == [24 / 5, None]
+
+
 def test_a_static_run_replays_the_trace_exactly(traces):
     """Full blocks without noise: every cycle accepts what was recorded, so the simulated request commits the
     recorded tokens in the recorded number of cycles."""

@@ -360,7 +360,7 @@ def test_a_request_keeps_its_drafter_while_it_waits_only_if_the_credit_will_pay_
     assert solvent.plan([kept]).lengths == [0] and not kept.retired
     in_debt = AutoPlanner(measured(GPU), prior_with([(15, 0)] * 100))
     in_debt.plan([request()])
-    in_debt.credit_s = -in_debt.bank_s  # 16 steps earn ~0.3% of that back
+    in_debt.credit_s = -in_debt.bank_s  # the steps until it is ready earn back 8% of that at most
     dropped = waiting_request()
     assert in_debt.plan([dropped]).lengths == [0] and dropped.retired
     almost = waiting_request()
