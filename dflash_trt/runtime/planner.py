@@ -18,11 +18,12 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    recent cycles predict its next one poorly (under sampling, cycles are close to independent), and following
    them through bad stretches left the full block, which wins at c=1 on a memory-bound GPU, on the table.
 4. **Explore.** Otherwise, requests not yet measured (fewer than ``PROBE_CYCLES`` cycles; every request while the
-   prior is not informed) draft their full block, if a drafter better than the prior (each α halfway to 1, or
-   optimistic while the prior has few cycles) would pay at this batch and the *exploration credit* covers the step's
-   predicted net cost. The credit is time: a session starts with ``COLD_PLAIN_STEPS`` plain steps' worth (at most
-   ``COLD_CAP_S`` seconds), and every step served adds ``EXPLORE_FRACTION`` of its time, up to that starting bank (a
-   share of it where such a better drafter would gain less than 2x at this batch: ``FULL_WORTH_GAIN``).
+   prior is not informed) draft the length the prior expects to run fastest (``_probe``), if a drafter better than
+   the prior (each α halfway to 1, or optimistic while the prior has few cycles) would pay at this batch and the
+   *exploration credit* covers the step's predicted net cost. The credit is time: a session starts with
+   ``COLD_PLAIN_STEPS`` plain steps' worth (at most ``COLD_CAP_S`` seconds), and every step served adds
+   ``EXPLORE_FRACTION`` of its time, up to that starting bank (a share of it where such a better drafter would gain
+   less than 2x at this batch: ``FULL_WORTH_GAIN``).
    An exploration is charged what it cost: its measured time less the plain-decoding time of the tokens it
    committed. So exploration costs at most the starting bank plus ``EXPLORE_FRACTION`` of the time served, however
    many requests arrive; a cold session's exploring included (before the prior is informed, drafting is exploring).
