@@ -53,7 +53,8 @@ class EndpointBenchConfig(BaseModel):
     ignore_eos: bool = Field(default=False, description="Ask for exactly max_tokens tokens (server extension).")
     repeats: PositiveInt = Field(default=2, description="Passes over each cell's requests (endpoint order "
                                                         "alternates).")
-    warmup: NonNegativeInt = Field(default=2, description="Untimed requests per endpoint and cell.")
+    warmup: NonNegativeInt = Field(default=2, description="Untimed requests per endpoint and cell, each as long as "
+                                   "the measured ones (max_tokens).")
     seed: int = Field(default=0, description="Request i uses seed + i; the Poisson gaps use seed too.")
     goals_ms: dict[str, PositiveFloat] = Field(default_factory=dict, description="Latency goals for goodput: "
                                                                                  "ttft, tpot, e2e (ms).")
@@ -252,7 +253,8 @@ async def _benchmark(config: EndpointBenchConfig, progress: Callable[[str, int, 
             timings: dict[int, list[RequestTiming]] = {i: [] for i in range(len(servers))}
             walls = {i: 0.0 for i in range(len(servers))}
             for server in servers:
-                warm = [_body(server, p.text, min(16, config.max_tokens), temperature, config.seed + k, False)
+                # as long as the measured requests: an adaptive server learns from them (bench/harness.py run_cell)
+                warm = [_body(server, p.text, config.max_tokens, temperature, config.seed + k, False)
                         for k, p in enumerate(prompts[:config.warmup])]
                 await run_load(client, server["url"], warm, Load("concurrency", max(len(warm), 1)), config.seed)
             for repeat in range(config.repeats):

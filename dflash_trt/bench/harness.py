@@ -1,8 +1,8 @@
 """The honest A/B benchmark: plain decoding vs DFlash in the same session, on the same requests.
 
 For every (dataset, temperature, block length, concurrency) cell, one untimed batch of ``concurrency``
-short requests per mode warms that batch size up; then each mode runs a *pass* over the requests
-(``repeats`` passes each), ``concurrency`` in flight, the next submitted as soon as one ends: a closed
+requests per mode, as long as the measured ones, warms that batch size up; then each mode runs a *pass* over the
+requests (``repeats`` passes each), ``concurrency`` in flight, the next submitted as soon as one ends: a closed
 loop, as a server is loaded (``bench --endpoint``, ``vllm bench serve --max-concurrency``). The mode order
 alternates pass by pass (A B, B A, ...) so machine drift and cache warmth cancel; per-pass speed-ups are
 kept so the report can show their spread (the noise).
@@ -117,11 +117,17 @@ def steady_window(timings: list[Timing]) -> tuple[int, float] | None:
 
 def run_cell(runners: dict[str, Runner], requests: list[tuple[list[int], SamplingParams]], concurrency: int,
              cell: CellResult, repeats: int = 1) -> None:
-    """Warm every runner up with one untimed batch of ``concurrency`` short requests, then run ``requests``
-    ``repeats`` times through every runner, one pass per mode, alternating the order of modes each pass."""
+    """Warm every runner up with one untimed batch of the first ``concurrency`` requests, then run ``requests``
+    ``repeats`` times through every runner, one pass per mode, alternating the order of modes each pass.
+
+    The warm-up requests are as long as the measured ones. An adaptive session learns from its warm-up: cut at 16
+    tokens, it showed the session only the first cycles of responses, the hardest (``tools/simulate_policy.py
+    by-start``), so its estimate started below what the measured requests accept and it decoded the first of them
+    plainly while static drafting won (the OpenAI server A/B at c=1, two rounds each: adaptive 0.84 and 0.87 of
+    static's speed-up after 16-token warm-ups, 0.92 and 0.94 after full-length ones; docs/adaptive.md, "Warm-ups as
+    long as the measured requests")."""
     names = list(runners)
-    warm = [(ids, params.model_copy(update={"max_new_tokens": min(16, params.max_new_tokens)}))
-            for ids, params in requests[:concurrency]]
+    warm = requests[:concurrency]
     for name in names:
         _run_pass(runners[name], warm, concurrency)
         cell.timings[name], cell.walls[name], cell.pass_rates[name], cell.steady[name] = [], 0.0, [], []

@@ -34,7 +34,7 @@ def test_each_cell_warms_up_then_alternates_the_mode_order_pass_by_pass_over_the
     cell = CellResult("set", 0.0, 16, concurrency=2)
     run_cell(runners, requests, 2, cell, repeats=3)
     warm, timed = log[:4], log[4:]
-    assert warm == [(AR, 0, 16), (AR, 1, 16), (DFLASH, 0, 16), (DFLASH, 1, 16)]  # one short untimed batch each
+    assert warm == [(AR, 0, 32), (AR, 1, 32), (DFLASH, 0, 32), (DFLASH, 1, 32)]  # one untimed batch each, full length
     passes = [timed[i:i + 4] for i in range(0, len(timed), 4)]
     assert [entries[0][0] for entries in passes] == [AR, DFLASH, DFLASH, AR, AR, DFLASH]  # A B, B A, A B
     assert all(entries == [(entries[0][0], index, 32) for index in range(4)] for entries in passes)  # every request
