@@ -40,6 +40,9 @@ _HISTORY = 4096
 _TRUSTED = 3
 """Measurements a point needs within ``_STALE_STEPS`` before its own median is its cost; until then, the least of
 them (noise only ever adds time: a session's first drafting step took 9 ms outside its forwards, later ones 0.7 ms)."""
+_CONSISTENT = 0.1
+"""How much dearer than a wider verify of its batch a plain verify may be priced before it is taken for one measured
+under load (noise and the 5% log-normal of the simulator stay well inside it)."""
 _LOAD_HISTORY = 256
 """Verifies of one point its usual time is taken over, for :attr:`CostModel.load`: more than a long burst of load
 lasts. Over 64, a burst of 150 plain steps at c=1 became plain decoding's usual time; its load then read 0.5 once the
@@ -201,12 +204,25 @@ class CostModel:
     def verify(self, batch: int, width: int) -> float:
         near = self._near("verify", batch, width)
         if near is not None:
-            return near
+            return self._no_dearer_than_wider(batch, near) if width == 1 else near
         shape_plain, shape = self._shape("verify", batch, 1), self._shape("verify", batch, width)
         plain = self._near("verify", batch, 1)
         if plain is None:
             return shape
         return plain + max(shape - shape_plain, 0.0) * min(1.0, plain / shape_plain)
+
+    def _no_dearer_than_wider(self, batch: int, plain: float) -> float:
+        """A plain verify of ``batch`` rows priced above the narrowest wider verify of the same batch that traffic
+        measured lately (at least ``_TRUSTED`` times: one measurement can be kept over a load reading that was off),
+        by more than noise (``_CONSISTENT``), was measured under a load that did not show: priced as that wider one."""
+        widths = sorted(width for (kind, width), batches in self._batches.items()
+                        if kind == "verify" and width > 1 and batch in batches
+                        and self._own(("verify", batch, width)) is not None
+                        and len(self._samples[("verify", batch, width)]) >= _TRUSTED)
+        if not widths:
+            return plain
+        wider = self._own(("verify", batch, widths[0]))
+        return wider if plain > (1 + _CONSISTENT) * wider else plain
 
     def draft(self, batch: int, width: int) -> float:
         if not batch:

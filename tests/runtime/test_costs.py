@@ -182,6 +182,24 @@ def test_forwards_measured_during_a_burst_of_load_compare_with_plain_steps_at_th
     assert costs.verify(1, 16) == pytest.approx(wide)
 
 
+def test_a_plain_verify_priced_dearer_than_a_wider_verify_of_its_batch_is_priced_as_that_one():
+    """One plain step in a burst of load too short to show (its point has one verify, so no usual time), then
+    drafting: a 1-token verify costs no more than a 2-token one of the same batch, so the plain price is the wider
+    verify's. Its own price stood for the 270 steps the batch then drafted k=1 at 0.65x plain decoding (the
+    simulator's CPU at c=64, seed 4). Within noise of the wider one, a plain price is its own."""
+    costs = grid()
+    plain, wide = costs.calibrated["verify"][(16, 1)], costs.calibrated["verify"][(16, 4)]
+    costs.record("verify", 16, 1, 3 * plain)
+    for _ in range(9):
+        costs.record("verify", 16, 4, wide)  # drafting since, unloaded
+    assert 3 * plain > 1.1 * wide and costs.verify(16, 1) == pytest.approx(wide)
+    close = grid()
+    close.record("verify", 16, 1, 1.05 * wide)
+    for _ in range(9):
+        close.record("verify", 16, 4, wide)
+    assert close.verify(16, 1) == pytest.approx(1.05 * wide)
+
+
 def test_a_burst_longer_than_a_hundred_plain_steps_does_not_become_plain_decodings_usual_time():
     """150 plain steps in a 2x burst, a few after it, then drafting: plain decoding is priced at its cost now. With
     its usual time taken over its last 64 verifies (all in the burst), its load read 0.5 after the burst, and plain
