@@ -45,9 +45,9 @@ class TritonPythonModel:
                 handle.cancel()  # its next chunk is the final, cancelled one
             else:
                 outputs = io.chunk_outputs(item, handle.stats, self.settings.batched)
-                sender.send(io.response(pb_utils, outputs), flags=FINAL if item.finished else 0)
-                if item.finished:
+                if item.finished:  # counted before its end is sent: a client that saw the end sees its counters
                     self.metrics.observe(handle.stats)
+                sender.send(io.response(pb_utils, outputs), flags=FINAL if item.finished else 0)
         return None
 
     def _start(self, request):
