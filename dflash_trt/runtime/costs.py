@@ -215,14 +215,11 @@ class CostModel:
         """A plain verify of ``batch`` rows priced above the narrowest wider verify of the same batch that traffic
         measured lately (at least ``_TRUSTED`` times: one measurement can be kept over a load reading that was off),
         by more than noise (``_CONSISTENT``), was measured under a load that did not show: priced as that wider one."""
-        widths = sorted(width for (kind, width), batches in self._batches.items()
-                        if kind == "verify" and width > 1 and batch in batches
-                        and self._own(("verify", batch, width)) is not None
-                        and len(self._samples[("verify", batch, width)]) >= _TRUSTED)
-        if not widths:
-            return plain
-        wider = self._own(("verify", batch, widths[0]))
-        return wider if plain > (1 + _CONSISTENT) * wider else plain
+        trusted = sorted(width for (kind, width), batches in self._batches.items()
+                         if kind == "verify" and width > 1 and batch in batches
+                         and len(self._samples.get(("verify", batch, width), ())) >= _TRUSTED)
+        wider = next((cost for width in trusted if (cost := self._own(("verify", batch, width))) is not None), None)
+        return wider if wider is not None and plain > (1 + _CONSISTENT) * wider else plain
 
     def draft(self, batch: int, width: int) -> float:
         if not batch:
