@@ -43,6 +43,10 @@ them (noise only ever adds time: a session's first drafting step took 9 ms outsi
 _CONSISTENT = 0.1
 """How much dearer than a wider verify of its batch a plain verify may be priced before it is taken for one measured
 under load (noise and the 5% log-normal of the simulator stay well inside it)."""
+_RECHECK_STEPS = 32
+"""Scheduler steps after which a plain price resting on fewer than ``_TRUSTED`` measurements is measured again
+(:meth:`CostModel.plain_settled`): a price taken once, in a burst of load, is otherwise what drafting is judged
+against for as long as the batch drafts, since nothing else measures plain decoding then."""
 _LOAD_HISTORY = 256
 """Verifies of one point its usual time is taken over, for :attr:`CostModel.load`: more than a long burst of load
 lasts. Over 64, a burst of 150 plain steps at c=1 became plain decoding's usual time; its load then read 0.5 once the
@@ -233,17 +237,35 @@ class CostModel:
 
     def _near(self, kind: str, batch: int, width: int) -> float | None:
         """A forward as traffic measured it lately: at this point, else at the nearest batch size within a factor
-        of two measured at this width, scaled by the shape (the batch of a busy server drifts by a few requests
-        from step to step, and shrinks as a wave of requests ends). None if neither."""
-        own = self._own((kind, batch, width))
-        if own is not None:
-            return own
+        of two measured at this width (``_near_batch``), scaled by the shape (the batch of a busy server drifts by a
+        few requests from step to step, and shrinks as a wave of requests ends). None if neither."""
+        near = self._near_batch(kind, batch, width)
+        if near is None:
+            return None
+        own = self._own((kind, near, width))
+        return own if near == batch else own * self._shape(kind, batch, width) / self._shape(kind, near, width)
+
+    def _near_batch(self, kind: str, batch: int, width: int) -> int | None:
+        """The batch size whose measurements price this forward: this one if traffic measured it lately, else the
+        nearest within a factor of two that it did; None if none."""
+        if self._own((kind, batch, width)) is not None:
+            return batch
         measured = [b for b in self._batches.get((kind, width), ()) if batch <= 2 * b and b <= 2 * batch
                     and self._own((kind, b, width)) is not None]
-        if not measured:
-            return None
-        near = min(measured, key=lambda b: (abs(b - batch), -b))
-        return self._own((kind, near, width)) * self._shape(kind, batch, width) / self._shape(kind, near, width)
+        return min(measured, key=lambda b: (abs(b - batch), -b)) if measured else None
+
+    def plain_settled(self, batch: int) -> bool:
+        """Whether plain decoding's price at about this batch size can stand: measured lately (``known``) and either
+        ``_TRUSTED`` times or within the last ``_RECHECK_STEPS`` steps. A price from one or two plain steps is
+        checked again once those steps are that far behind (a plain step then costs the batch one step's gain, at
+        most twice per price): taken in a burst of load, it priced the plain step's host time at twice its cost and
+        a batch of 64 on the simulated CPU drafted k=1 at 0.70x plain decoding for the rest of its run
+        (docs/adaptive.md, "A plain price checked again")."""
+        near = self._near_batch("verify", batch, 1)
+        if near is None:
+            return False
+        point = ("verify", near, 1)
+        return len(self._samples[point]) >= _TRUSTED or self._steps - self._last[point] < _RECHECK_STEPS
 
     def overhead(self, drafting: bool, batch: int) -> float:
         """Step time outside the forwards at this batch size (0 until measured). A drafting step is assumed no

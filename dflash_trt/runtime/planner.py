@@ -8,7 +8,9 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    from the calibration's shape alone it can be far off (the calibration runs at short contexts: on the simulated
    H200 at 32k-token contexts it priced a plain step of 29 rows at 3.3 ms against the 30 ms it costs, so every
    drafting request retired as the batch shrank below half the size plain decoding was measured at; and a price
-   that expires after 1,024 steps of drafting fell back to that shape too).
+   that expires after 1,024 steps of drafting fell back to that shape too). Before a measured length is exploited
+   for a win under ``RECHECK_GAIN``, a plain price taken from one or two steps that are no longer recent is measured
+   again (a step in a burst of load is otherwise the price for as long as the batch drafts).
 2. **Hopeless batch.** If no draft length beats plain decoding at this batch size even with every draft
    accepted, nothing drafts and every drafting request retires: its verify forwards stop computing context
    taps and it is exactly plain decoding from then on.
@@ -106,6 +108,15 @@ PROBE_ROWS = 4
 prior in one or two steps; 64 rows taking in 32k-token prompts at once cost ~8 plain steps on the simulated
 H200."""
 
+RECHECK_GAIN = 1.5
+"""A measured length predicted to beat plain decoding by less than this factor is not exploited on a plain price from
+one or two steps that are no longer recent (``CostModel.plain_settled``): the batch decodes plainly for a step and
+measures it again. A session that starts in a burst of load can take plain decoding's price from one step in it, and
+while the batch drafts nothing measures it again: on the simulated CPU at batch 64 a plain step priced 1.4x its cost
+made k=1 look 1.2-1.3x faster while it ran 0.70x, for the whole run (docs/adaptive.md, "A plain price checked
+again"). A predicted win above this is exploited at once: at 2x, the memory-bound GPU cells at c=1 (predicted ~1.9x)
+spent their checks' plain steps where no plausible error in the price could have changed the choice."""
+
 REALISED_STEPS = 256
 """Steps of each kind (drafting, plain) per batch size the realised rates are taken over (see ``realised_gain``) ..."""
 
@@ -126,7 +137,14 @@ requests at c=1 (the simulated H200 at c=1 on spec_bench: 0.79 of static k=15; "
 
 PRIOR_KEEP = 16
 """... keeping its last cycles however old (probes of the last 8 requests): what the session saw last stays its
-estimate."""
+estimate ..."""
+
+PRIOR_BATCH_STEPS = 16
+"""... and the first two limits are raised to this many steps of the batch where that is more (a batch of B adds B
+cycles a step while it drafts, and serves B request-steps): at c=64, 256 cycles are four steps, and a wave of 64
+requests that met a hard stretch together replaced the whole estimate in four, and every request retired for good (the
+simulated H200 at 1k-token contexts, out of domain: 0.85 of static k=3; docs/adaptive.md, "A prior that spans steps of
+a large batch"). Below 16 requests nothing changes."""
 
 HOPEFUL_PSEUDO = 4.0
 """Accepted pseudo-cycles per position in the optimistic estimate that gates exploration."""
@@ -171,6 +189,7 @@ class AutoPlanner:
 
     def __init__(self, costs: CostModel, prior: AcceptanceTracker) -> None:
         self.costs, self.prior = costs, prior
+        self._span = (prior.window, prior.horizon)  # the prior's own span, for a small batch
         self.credit_s: float | None = None  # exploration credit, seconds (the starting bank at the first plan)
         self.bank_s = 0.0  # the most credit there can be
         self._plan: Plan | None = None  # this step's
@@ -247,6 +266,9 @@ class AutoPlanner:
 
     def _decide(self, requests: list[RequestMemory]) -> Plan:
         batch = len(requests)
+        span = PRIOR_BATCH_STEPS * batch  # the prior spans that many steps of a large batch at least
+        self.prior.window = max(self._span[0], span)
+        self.prior.horizon = None if self._span[1] is None else max(self._span[1], span)
         plain_step = self.costs.step(batch, 0, 0)
         if self.credit_s is None:  # the first plan: the starting bank, in plain steps of one request
             self.credit_s = self.bank_s = min(COLD_PLAIN_STEPS * self.costs.step(1, 0, 0), COLD_CAP_S)
@@ -271,6 +293,8 @@ class AutoPlanner:
                                  reverse=True):
                 lengths = [min(length, w) for w in wanted]
                 if self.costs.known(batch, len(live), length):
+                    if rates[length] < RECHECK_GAIN * rates[0] and not self.costs.plain_settled(batch):
+                        return Plan([0] * batch, "measure", plain_step)  # what it wins by hangs on an unsettled price
                     self._trial = 0
                     return Plan(lengths, "exploit", plain_step)
                 # a length priced from the shape alone is a guess: trying it is exploring, for a few steps (its

@@ -69,7 +69,7 @@ class AcceptanceTracker:
         self._count(drafted, accepted, +1)
         self.cycles.append((drafted, accepted))
         self._served_at.append(self.steps_served)
-        if len(self.cycles) > self.window:
+        while len(self.cycles) > self.window:
             self._forget_oldest()
         self._forget_old()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_trt.runtime.costs import _STALE_STEPS, WARMING_STEPS, CostModel
+from dflash_trt.runtime.costs import _RECHECK_STEPS, _STALE_STEPS, _TRUSTED, WARMING_STEPS, CostModel
 
 
 def overhead(costs: CostModel, drafting: bool, batch: int, seconds: float) -> None:
@@ -198,6 +198,26 @@ def test_a_plain_verify_priced_dearer_than_a_wider_verify_of_its_batch_is_priced
     for _ in range(9):
         close.record("verify", 16, 4, wide)
     assert close.verify(16, 1) == pytest.approx(1.05 * wide)
+
+
+def test_a_plain_price_from_fewer_than_three_steps_is_checked_again_once_they_are_behind():
+    """A batch of 64 on the simulated CPU measured plain decoding once, in a burst of load: 8 ms outside the forwards
+    where it costs 4 ms. While the batch drafts nothing measures it again, so that price stood for the whole run."""
+    costs = grid()
+    costs.record("verify", 64, 1, 10e-3)
+    costs.record_overhead(False, 64, 8e-3)  # the burst's
+    assert costs.known(64, 0, 0) and costs.plain_settled(64) and costs.plain_settled(40)  # (40: the nearest is 64)
+    for check in range(1, _TRUSTED):
+        for _ in range(_RECHECK_STEPS - 1):  # drafting steps
+            costs.record_overhead(True, 64, 8e-3)
+        assert not costs.plain_settled(64) and not costs.plain_settled(40) and costs.known(64, 0, 0)
+        costs.record("verify", 64, 1, 10e-3)  # the plain step it checks with, after the burst
+        costs.record_overhead(False, 64, 4e-3)
+        assert costs.plain_settled(64)
+    for _ in range(_STALE_STEPS - 1):  # three measurements: it stands until it expires
+        costs.record_overhead(True, 64, 8e-3)
+    assert costs.plain_settled(64) and costs.overhead(False, 64) == pytest.approx(4e-3)
+    assert not costs.plain_settled(16)  # never measured near it: not known at all
 
 
 def test_a_burst_longer_than_a_hundred_plain_steps_does_not_become_plain_decodings_usual_time():

@@ -10,9 +10,11 @@ from cost_tables import linear_costs
 
 from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
 from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, FULL_WORTH_GAIN,
-                                        INFORMED_CYCLES, PRIOR_CYCLES, PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_STEPS,
-                                        TRIAL_STEPS, AutoPlanner, RequestMemory, probe_after, session_prior)
-from dflash_trt.runtime.policy import AcceptanceTracker, auto_length
+                                        INFORMED_CYCLES, PRIOR_BATCH_STEPS, PRIOR_CYCLES, PRIOR_HORIZON_STEPS,
+                                        PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_STEPS,
+                                        RECHECK_GAIN, TRIAL_STEPS, AutoPlanner, Plan, RequestMemory, probe_after,
+                                        session_prior)
+from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound
 GPU = dict(verify_base=1e-3, verify_per_token=1e-7, draft_base=3e-4, draft_per_token=1e-7)  # width ~free
@@ -290,6 +292,25 @@ def test_a_stretch_of_hard_requests_does_not_keep_the_easy_ones_after_it_plain()
         assert all(share == 1.0 for share in after[1:]) is recovers, after
 
 
+def test_the_session_prior_spans_steps_of_a_large_batch_not_a_fixed_count_of_cycles():
+    """At c=64 the prior's 256 cycles were four steps: a wave of 64 requests that met a hard stretch together
+    replaced the whole estimate in four steps and every request retired for good (the simulated H200 at 1k-token
+    contexts, out of domain: 0.85 of static k=3). At a large batch it spans ``PRIOR_BATCH_STEPS`` steps."""
+    prior = session_prior()
+    planner = AutoPlanner(measured(GPU), prior)
+    planner.plan([request() for _ in range(64)])
+    assert prior.window == prior.horizon == PRIOR_BATCH_STEPS * 64 > PRIOR_CYCLES
+    for step in range(PRIOR_BATCH_STEPS):
+        for _ in range(64):
+            prior.observe(15, 12 if step < PRIOR_BATCH_STEPS - 4 else 0)  # the last four steps: a hard stretch
+        prior.served(64)
+    assert len(prior.cycles) > 4 * 64 and prior.conditional()[0] > 0.6  # (the first step's are 1,024 steps old)
+    planner.plan([request() for _ in range(4)])  # a small batch: the usual span, trimmed at the next cycle
+    assert (prior.window, prior.horizon) == (PRIOR_CYCLES, PRIOR_HORIZON_STEPS)
+    prior.observe(15, 0)
+    assert len(prior.cycles) <= PRIOR_CYCLES
+
+
 @pytest.mark.parametrize("scale", [0.7, 1.4])
 def test_decisions_do_not_depend_on_how_fast_the_machine_is(scale):
     requests = [(16, 0)] * 3 + [(96, 5)] * 6 + [(64, 1)] * 6 + [(96, 6)] * 4
@@ -333,6 +354,33 @@ def test_a_batch_whose_plain_decoding_traffic_measured_only_far_from_its_size_me
     costs.record("verify", 29, 1, 30e-3)  # the plain step it ran
     plan = planner.plan(batch)  # made again at once (a measuring plan is not reused)
     assert plan.reason == "exploit" and plan.lengths == [15] * 29
+
+
+def test_a_modest_gain_over_a_plain_price_from_one_step_long_ago_is_checked_before_it_is_exploited():
+    """A batch of 64 on the simulated CPU priced plain decoding from one step in a burst of load (its time outside
+    the forwards twice the usual), drafting k=1 then looked 1.1x faster while it ran 0.70x, and nothing measured
+    plain decoding again (0.75x plain decoding over the run). A win predicted far above what such a price could
+    be off by is exploited at once."""
+    def once_measured(machine: dict) -> CostModel:
+        costs = linear_costs(**machine)  # every forward measured once
+        for _ in range(3):
+            for batch in (1, 2, 4, 8, 16, 32, 64):
+                costs.record_overhead(False, batch, 0.0)
+                costs.record_overhead(True, batch, 0.0)
+        return costs
+
+    costs, prior, batch = once_measured(MIDDLE), prior_with([(15, 3)] * 100), [request() for _ in range(4)]
+    length, rates = auto_length(costs, [prior.conditional()] * 4, [15] * 4)
+    assert length and 1 + MARGIN < rates[length] / rates[0] < RECHECK_GAIN and not costs.plain_settled(4)
+    planner = AutoPlanner(costs, prior)
+    assert planner.plan(batch) == Plan([0] * 4, "measure", costs.step(4, 0, 0))
+    costs.record("verify", 4, 1, costs.verify(4, 1))  # the plain step it ran
+    costs.record_overhead(False, 4, 0.0)
+    assert planner.plan(batch).reason == "exploit"
+    costs, prior = once_measured(GPU), prior_with([(15, 12)] * 100)
+    length, rates = auto_length(costs, [prior.conditional()] * 4, [15] * 4)
+    assert rates[length] / rates[0] > RECHECK_GAIN and not costs.plain_settled(4)
+    assert AutoPlanner(costs, prior).plan(batch).reason == "exploit"
 
 
 def test_an_informed_session_probes_a_request_once_it_is_into_its_response_and_a_cold_one_at_once():
