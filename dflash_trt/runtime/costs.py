@@ -237,22 +237,26 @@ class CostModel:
 
     def _near(self, kind: str, batch: int, width: int) -> float | None:
         """A forward as traffic measured it lately: at this point, else at the nearest batch size within a factor
-        of two measured at this width (``_near_batch``), scaled by the shape (the batch of a busy server drifts by a
+        of two measured at this width (``_near_point``), scaled by the shape (the batch of a busy server drifts by a
         few requests from step to step, and shrinks as a wave of requests ends). None if neither."""
-        near = self._near_batch(kind, batch, width)
-        if near is None:
+        found = self._near_point(kind, batch, width)
+        if found is None:
             return None
-        own = self._own((kind, near, width))
+        near, own = found
         return own if near == batch else own * self._shape(kind, batch, width) / self._shape(kind, near, width)
 
-    def _near_batch(self, kind: str, batch: int, width: int) -> int | None:
-        """The batch size whose measurements price this forward: this one if traffic measured it lately, else the
-        nearest within a factor of two that it did; None if none."""
-        if self._own((kind, batch, width)) is not None:
-            return batch
-        measured = [b for b in self._batches.get((kind, width), ()) if batch <= 2 * b and b <= 2 * batch
-                    and self._own((kind, b, width)) is not None]
-        return min(measured, key=lambda b: (abs(b - batch), -b)) if measured else None
+    def _near_point(self, kind: str, batch: int, width: int) -> tuple[int, float] | None:
+        """The batch size whose measurements price this forward, and its cost there: this one if traffic measured it
+        lately, else the nearest within a factor of two that it did; None if none."""
+        own = self._own((kind, batch, width))
+        if own is not None:
+            return batch, own
+        measured = {b: cost for b in self._batches.get((kind, width), ()) if batch <= 2 * b and b <= 2 * batch
+                    and (cost := self._own((kind, b, width))) is not None}
+        if not measured:
+            return None
+        near = min(measured, key=lambda b: (abs(b - batch), -b))
+        return near, measured[near]
 
     def plain_settled(self, batch: int) -> bool:
         """Whether plain decoding's price at about this batch size can stand: measured lately (``known``) and either
@@ -261,10 +265,10 @@ class CostModel:
         most twice per price): taken in a burst of load, it priced the plain step's host time at twice its cost and
         a batch of 64 on the simulated CPU drafted k=1 at 0.70x plain decoding for the rest of its run
         (docs/adaptive.md, "A plain price checked again")."""
-        near = self._near_batch("verify", batch, 1)
-        if near is None:
+        found = self._near_point("verify", batch, 1)
+        if found is None:
             return False
-        point = ("verify", near, 1)
+        point = ("verify", found[0], 1)
         return len(self._samples[point]) >= _TRUSTED or self._steps - self._last[point] < _RECHECK_STEPS
 
     def overhead(self, drafting: bool, batch: int) -> float:
