@@ -57,6 +57,13 @@ WARMING_STEPS = 12
 1 the first ten took 1.4-2.2 ms there, the later ones 0.75-0.85 ms, and three of them priced drafting at a loss
 where it won 1.3x (nothing measured it again until that price expired). A backend without such a warm-up (the policy
 simulator's) passes 0, which also keeps each point's first forward in traffic (a warm-up otherwise: ``record``)."""
+_DEARER = 1.25
+"""How much dearer than the shape's guess (:meth:`CostModel._verify_from_shape`) a wide verify measured fewer than
+``_TRUSTED`` times may be before that price is taken for one measured in a burst of load and the verify is priced as a
+guess again (so the policy tries it, and traffic measures it again). Bursts slow a step 1.5-3x; noise is 5%. A session
+whose trial of k=15 at batch 64 ran in a burst priced that verify at 128 ms against the 68 ms it costs, drafted k=3
+for the next 150 steps, and gave 0.70 of static k=15 (the simulated H200 at 32k-token prompts; docs/adaptive.md,
+"A trial is not a probe")."""
 _STALE_STEPS = 1024
 """Scheduler steps after which a point's measurements expire (it was not measured since). Forwards are kept over the
 load they ran at, so expiry is not what forgets a burst; it forgets prices the policy stopped testing. At 256 steps,
@@ -194,7 +201,9 @@ class CostModel:
 
     def _own(self, point: tuple) -> float | None:
         """The point's cost now if traffic measured it lately (the median of its last measurements, the least of
-        them while it has fewer than ``_TRUSTED``: noise only ever adds time), else None."""
+        them while it has fewer than ``_TRUSTED``: noise only ever adds time), else None. A wide verify measured fewer
+        than ``_TRUSTED`` times at more than ``_DEARER`` times the calibrated shape's guess is None too: a step in a
+        burst, likely, and a price too dear is never tried again, so never corrected."""
         samples = self._samples.get(point)
         if not samples or not self._fresh(point):
             return None
@@ -202,13 +211,23 @@ class CostModel:
             recent = statistics.median(list(samples)[-_TRUSTED:]) if len(samples) >= _TRUSTED else min(samples)
             return recent * self.load / self._plain_load.get(point[1], self.load)  # at the load of now
         typical = statistics.median(samples) if len(samples) >= _TRUSTED else min(samples)
-        return typical if point[0] == "overhead" else typical * self.load
+        if point[0] == "overhead":
+            return typical
+        if (point[0] == "verify" and len(samples) < _TRUSTED and self.calibrated["verify"]
+                and typical * self.load > _DEARER * self._verify_from_shape(point[1], point[2])):
+            return None
+        return typical * self.load
 
     # ---- lookups ----
     def verify(self, batch: int, width: int) -> float:
         near = self._near("verify", batch, width)
         if near is not None:
             return self._no_dearer_than_wider(batch, near) if width == 1 else near
+        return self._verify_from_shape(batch, width)
+
+    def _verify_from_shape(self, batch: int, width: int) -> float:
+        """The guess for a verify traffic did not measure: plain decoding's price now plus what the shape says the
+        ``width - 1`` more tokens add (scaled down when plain decoding runs faster than the shape says)."""
         shape_plain, shape = self._shape("verify", batch, 1), self._shape("verify", batch, width)
         plain = self._near("verify", batch, 1)
         if plain is None:

@@ -19,6 +19,9 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    every live request drafts it. One estimate for the whole session, not one per request: a request's own
    recent cycles predict its next one poorly (under sampling, cycles are close to independent), and following
    them through bad stretches left the full block, which wins at c=1 on a memory-bound GPU, on the table.
+   A length whose cost at this batch traffic did not measure (the shape's guess) is a *trial*: every live request
+   drafts it for ``TRIAL_STEPS`` steps, if the exploration credit covers the step's predicted extra time; then it is
+   measured, and exploited or not.
 4. **Explore.** Otherwise, requests not yet measured (fewer than ``PROBE_CYCLES`` cycles; every request while the
    prior is not informed) draft the length the prior expects to run fastest (``_probe``), if a drafter better than
    the prior (each α halfway to 1, or optimistic while the prior has few cycles) would pay at this batch and the
@@ -144,7 +147,10 @@ PRIOR_BATCH_STEPS = 16
 cycles a step while it drafts, and serves B request-steps): at c=64, 256 cycles are four steps, and a wave of 64
 requests that met a hard stretch together replaced the whole estimate in four, and every request retired for good (the
 simulated H200 at 1k-token contexts, out of domain: 0.85 of static k=3; docs/adaptive.md, "A prior that spans steps of
-a large batch"). Below 16 requests nothing changes."""
+a large batch"). Below 16 requests nothing changes. The cycles kept however old are at least one per request of the
+batch: at c=64, 16 kept cycles (one accepted draft among them) predicted that an untrained drafter's k=1 would win
+6%, and every new request of the batch was tried on it, each taking in its 32k-token prompt (the simulated H200: 0.93x
+plain decoding against 0.97x; docs/adaptive.md, "A trial is not a probe")."""
 
 HOPEFUL_PSEUDO = 4.0
 """Accepted pseudo-cycles per position in the optimistic estimate that gates exploration."""
@@ -179,7 +185,7 @@ class Plan:
     """One step's decision: the draft length of each request (0 = plain) and why."""
 
     lengths: list[int]
-    reason: str  # "measure" | "plain" | "hopeless" | "exploit" | "explore"
+    reason: str  # "measure" | "plain" | "hopeless" | "exploit" | "trial" | "explore"
     plain_step_s: float = 0.0  # predicted seconds of a plain step of this batch
 
 
@@ -189,7 +195,7 @@ class AutoPlanner:
 
     def __init__(self, costs: CostModel, prior: AcceptanceTracker) -> None:
         self.costs, self.prior = costs, prior
-        self._span = (prior.window, prior.horizon)  # the prior's own span, for a small batch
+        self._span = (prior.window, prior.horizon, prior.keep)  # the prior's own span, for a small batch
         self.credit_s: float | None = None  # exploration credit, seconds (the starting bank at the first plan)
         self.bank_s = 0.0  # the most credit there can be
         self._plan: Plan | None = None  # this step's
@@ -217,7 +223,12 @@ class AutoPlanner:
         ``FULL_WORTH_GAIN``): it is not exploring (its length was measured and predicted to win), and the debt a stretch
         of hard requests ran up kept a session that then retired them from probing new requests for seconds (~120 ms of
         debt at 2% of the time served: ~6 s, while static drafting won 1.45x on an ONNX Runtime engine at c=1;
-        docs/adaptive.md, "Exploit losses lock exploration out"). Where a better drafter would gain 2x or more (a
+        docs/adaptive.md, "Exploit losses lock exploration out"). A trial's loss drains it the same way: its length is
+        predicted to win on the measured prior, only its cost is a guess, and its first step takes in every drafting
+        row's context, a one-off any drafting policy pays (64 rows taking in 32k-token prompts on the simulated H200:
+        490 ms against a 68 ms plain step); charged in full, that debt kept the batch from trying again for ~340 steps
+        while static k=15 won 1.8x (0.60 of it; docs/adaptive.md, "A trial is not a probe"). A trial still starts only
+        when the credit covers its predicted extra time. Where a better drafter would gain 2x or more (a
         memory-bound GPU at low batch) no debt stays: a debt of the whole bank kept a session at c=1 from probing the
         easy requests after a hard one for ~360 steps, while static k=15 won 1.2-2.6x on them (docs/adaptive.md, "Debt
         in proportion to what probes could find"). Where probes could find little, the whole bank's debt stays: with
@@ -232,12 +243,12 @@ class AutoPlanner:
         steps = self._realised.setdefault((batch, any(plan.lengths)), deque(maxlen=REALISED_STEPS))
         steps.append((batch + self._accepted, seconds / self.costs.load))
         self.credit_s += EXPLORE_FRACTION * self._worth * seconds
-        if plan.reason in ("explore", "exploit"):  # settled against plain decoding's time for the same tokens
+        if plan.reason in ("explore", "trial", "exploit"):  # settled against plain decoding's time for the same tokens
             if self.costs.last_step_warming:
                 drafting = sum(1 for length in plan.lengths if length)
                 seconds = min(seconds, self.costs.step(batch, drafting, max(plan.lengths)))
             charge = seconds - plan.plain_step_s * (batch + self._accepted) / batch
-            if plan.reason == "exploit":  # a measured length's loss drains it to a floor below zero (see above)
+            if plan.reason != "explore":  # a predicted win's loss drains it to a floor below zero (see above)
                 charge = min(charge, max(self.credit_s + (1.0 - self._worth) * self.bank_s, 0.0))
             self.credit_s -= charge
         self.credit_s = min(self.credit_s, self.bank_s)
@@ -258,7 +269,7 @@ class AutoPlanner:
         """This step's draft length per request."""
         self._accepted = 0
         plan = self._plan
-        if (plan is None or plan.reason in ("explore", "measure") or self._age >= REFRESH_STEPS
+        if (plan is None or plan.reason in ("explore", "trial", "measure") or self._age >= REFRESH_STEPS
                 or len(requests) != len(self._batch) or any(a is not b for a, b in zip(requests, self._batch))):
             self._plan, self._batch, self._age = self._decide(requests), list(requests), 0
         self._age += 1
@@ -269,6 +280,7 @@ class AutoPlanner:
         span = PRIOR_BATCH_STEPS * batch  # the prior spans that many steps of a large batch at least
         self.prior.window = max(self._span[0], span)
         self.prior.horizon = None if self._span[1] is None else max(self._span[1], span)
+        self.prior.keep = max(self._span[2], batch)
         plain_step = self.costs.step(batch, 0, 0)
         if self.credit_s is None:  # the first plan: the starting bank, in plain steps of one request
             self.credit_s = self.bank_s = min(COLD_PLAIN_STEPS * self.costs.step(1, 0, 0), COLD_CAP_S)
@@ -297,13 +309,13 @@ class AutoPlanner:
                         return Plan([0] * batch, "measure", plain_step)  # what it wins by hangs on an unsettled price
                     self._trial = 0
                     return Plan(lengths, "exploit", plain_step)
-                # a length priced from the shape alone is a guess: trying it is exploring, for a few steps (its
-                # first one takes in the prompts, so only the next ones measure what drafting costs in steady
-                # state), if the credit covers the step's whole extra time (a guess can be far off)
+                # a length priced from the shape alone is a guess: it is tried for a few steps (its first one takes
+                # in the prompts, so only the next ones measure what drafting costs in steady state), if the credit
+                # covers the step's whole extra time (a guess can be far off)
                 extra = self.costs.step(batch, len(live), length) - plain_step
                 if 0 < self._trial < TRIAL_STEPS or self.credit_s > extra:
                     self._trial += 1
-                    return Plan(lengths, "explore", plain_step)
+                    return Plan(lengths, "trial", plain_step)
             gain = self.realised_gain(batch)
             if gain is not None and gain >= CLEAR_WIN:  # the prediction says plain: what happened says otherwise
                 length = max((k for k in rates if k), key=rates.get)

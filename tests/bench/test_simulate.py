@@ -102,12 +102,6 @@ COLD_PROBE_INTAKE = ("a cold session's first probe (4 rows) takes in four 32k-to
 TABLE_MISSES: dict[tuple[str, int, str, int], str] = {  # (regime, concurrency, workload, seed) -> why auto misses
     ("h200-32k", 4, "stories_t0", 1): COLD_PROBE_INTAKE,
     ("h200-32k", 16, "stories_t0", 1): COLD_PROBE_INTAKE,
-    ("cpu", 64, "stories_t0", 2): ("0.948x plain decoding, the best fixed choice here (static k=3 0.88x): the batch "
-                                  "decodes plainly for all but ~80 of 31,600 cycles, and the cold start, probes and "
-                                  "the context taps of requests waiting to be probed cost the other 5%; 0.955x before "
-                                  "a plain verify was priced no dearer than a wider one of its batch, which moved "
-                                  "which probes ran (docs/adaptive.md, \"A plain price no dearer than a wider "
-                                  "verify's\")"),
 }
 
 

@@ -11,7 +11,7 @@ from cost_tables import linear_costs
 from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
 from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, FULL_WORTH_GAIN,
                                         INFORMED_CYCLES, PRIOR_BATCH_STEPS, PRIOR_CYCLES, PRIOR_HORIZON_STEPS,
-                                        PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_STEPS,
+                                        PRIOR_KEEP, PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_STEPS,
                                         RECHECK_GAIN, TRIAL_STEPS, AutoPlanner, Plan, RequestMemory, probe_after,
                                         session_prior)
 from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length
@@ -67,8 +67,8 @@ def test_a_cold_session_explores_its_first_request():
 
 
 def test_a_length_whose_cost_is_a_guess_is_tried_for_a_few_steps_then_exploited_once_measured():
-    """Only the shape of the costs is known (a calibration): drafting is predicted to pay, but trying it is
-    exploring (charged to the credit) until traffic has measured it."""
+    """Only the shape of the costs is known (a calibration): drafting is predicted to pay, but it is a trial (started
+    only when the credit covers it) until traffic has measured it."""
     costs = CostModel(warming_steps=0)
     for batch in (1, 4):
         for width in (1, 4, 16):
@@ -87,7 +87,7 @@ def test_a_length_whose_cost_is_a_guess_is_tried_for_a_few_steps_then_exploited_
             costs.record("draft", 1, plan.lengths[0] + 1, 4e-4)
             costs.record_overhead(True, 1, 2e-4)
         planner.step_took(1.7e-3)
-    assert reasons[0] == "explore" and reasons[-1] == "exploit"
+    assert reasons[0] == "trial" and reasons[-1] == "exploit"
 
 
 @pytest.mark.parametrize("underestimate", [1.0, 2.0])
@@ -152,6 +152,34 @@ def test_requests_retire_on_a_clear_loss_and_on_a_win_that_is_only_a_guess():
     assert not waits_for_a_guess(draft_s=8e-4, accepted=1)  # a guessed 1.17x
 
 
+def test_a_trial_that_took_in_long_prompts_leaves_no_debt_beyond_an_exploits_and_a_probe_pays_in_full():
+    """A trial's length is predicted to win on the measured prior; only its cost is a guess. Its first step takes in
+    every drafting row's prompt, a one-off any drafting policy pays: 64 rows of 32k-token prompts on the simulated H200
+    took 490 ms against a 68 ms plain step, and charged in full, that debt kept the batch decoding plainly for ~340
+    steps while static k=15 won 1.8x. A trial's loss drains the credit as an exploit's does (to the floor); a probe's
+    is charged in full."""
+    costs = CostModel(warming_steps=0)
+    for batch in (1, 64):  # the shape: width almost free (memory-bound)
+        for width in (1, 16):
+            costs.calibrate("verify", batch, width, batch * 1e-3 + 1e-5 * width)
+            costs.calibrate("draft", batch, width, 5e-3)
+    for _ in range(3):
+        costs.record("verify", 64, 1, 68e-3)
+        costs.record_overhead(False, 64, 0.6e-3)
+    planner = AutoPlanner(costs, prior_with([(15, 12)] * 64))
+    batch = [request() for _ in range(64)]
+    plan = planner.plan(batch)
+    assert plan.reason == "trial" and plan.lengths == [15] * 64 and 0 < planner.credit_s < 0.05
+    planner.step_took(0.56)  # the first step: every row took in its prompt
+    assert planner.credit_s == pytest.approx(0.0)  # worth 1 (a better drafter would gain 2x here): a floor of 0
+    probing = AutoPlanner(costs, AcceptanceTracker(256, 64))
+    plan = probing.plan([request() for _ in range(64)])
+    assert plan.reason == "explore"
+    bank = probing.credit_s
+    probing.step_took(0.56)
+    assert probing.credit_s == pytest.approx(bank + EXPLORE_FRACTION * 0.56 - (0.56 - plan.plain_step_s), rel=1e-6)
+
+
 def waits_for_a_guess(draft_s: float, accepted: int) -> bool:
     """Does a request stay unretired (waiting) when the length predicted to win is priced from the calibrated shape
     alone and the credit cannot pay its trial; and once the credit covers it, does a later request try it?"""
@@ -167,7 +195,7 @@ def waits_for_a_guess(draft_s: float, accepted: int) -> bool:
     first = request()
     assert planner.plan([first]).lengths == [0]
     planner.credit_s = planner.bank_s = 1.0
-    assert planner.plan([request()]).reason == "explore"
+    assert planner.plan([request()]).reason == "trial"
     return not first.retired
 
 
@@ -299,14 +327,14 @@ def test_the_session_prior_spans_steps_of_a_large_batch_not_a_fixed_count_of_cyc
     prior = session_prior()
     planner = AutoPlanner(measured(GPU), prior)
     planner.plan([request() for _ in range(64)])
-    assert prior.window == prior.horizon == PRIOR_BATCH_STEPS * 64 > PRIOR_CYCLES
+    assert prior.window == prior.horizon == PRIOR_BATCH_STEPS * 64 > PRIOR_CYCLES and prior.keep == 64 > PRIOR_KEEP
     for step in range(PRIOR_BATCH_STEPS):
         for _ in range(64):
             prior.observe(15, 12 if step < PRIOR_BATCH_STEPS - 4 else 0)  # the last four steps: a hard stretch
         prior.served(64)
     assert len(prior.cycles) > 4 * 64 and prior.conditional()[0] > 0.6  # (the first step's are 1,024 steps old)
     planner.plan([request() for _ in range(4)])  # a small batch: the usual span, trimmed at the next cycle
-    assert (prior.window, prior.horizon) == (PRIOR_CYCLES, PRIOR_HORIZON_STEPS)
+    assert (prior.window, prior.horizon, prior.keep) == (PRIOR_CYCLES, PRIOR_HORIZON_STEPS, PRIOR_KEEP)
     prior.observe(15, 0)
     assert len(prior.cycles) <= PRIOR_CYCLES
 
