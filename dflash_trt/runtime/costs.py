@@ -226,12 +226,15 @@ class CostModel:
         return self._verify_from_shape(batch, width)
 
     def _verify_from_shape(self, batch: int, width: int) -> float:
-        """The guess for a verify traffic did not measure: plain decoding's price now plus what the shape says the
-        ``width - 1`` more tokens add (scaled down when plain decoding runs faster than the shape says)."""
+        """The guess for a verify traffic did not measure: plain decoding's price now (:meth:`verify`'s: no dearer than
+        a wider verify of the batch) plus what the shape says the ``width - 1`` more tokens add (scaled down when plain
+        decoding runs faster than the shape says). From plain decoding's own measurements, a plain price taken in a
+        burst made every unmeasured length look as dear as the burst: the simulated H200 at c=4 (seed 4) drafted k=3
+        for its whole run at 0.89 of static k=15 (docs/adaptive.md, "A guess from plain decoding's price as priced")."""
         shape_plain, shape = self._shape("verify", batch, 1), self._shape("verify", batch, width)
-        plain = self._near("verify", batch, 1)
-        if plain is None:
+        if self._near("verify", batch, 1) is None:
             return shape
+        plain = self.verify(batch, 1)
         return plain + max(shape - shape_plain, 0.0) * min(1.0, plain / shape_plain)
 
     def _no_dearer_than_wider(self, batch: int, plain: float) -> float:

@@ -214,6 +214,10 @@ def test_a_plain_verify_priced_dearer_than_a_wider_verify_of_its_batch_is_priced
     for _ in range(9):
         costs.record("verify", 16, 4, wide)  # drafting since, unloaded
     assert 3 * plain > 1.1 * wide and costs.verify(16, 1) == pytest.approx(wide)
+    # a verify traffic did not measure is guessed from that price, not the burst's (a 16-token verify guessed at 2x
+    # its cost made k=7 and k=15 look dearer than k=3 for a whole run: the simulated H200 at c=4, seed 4)
+    shape_added = costs.calibrated["verify"][(16, 16)] - plain
+    assert costs.verify(16, 16) == pytest.approx(wide + shape_added)
     close = grid()
     close.record("verify", 16, 1, 1.05 * wide)
     for _ in range(9):
