@@ -232,9 +232,10 @@ class CostModel:
         burst made every unmeasured length look as dear as the burst: the simulated H200 at c=4 (seed 4) drafted k=3
         for its whole run at 0.89 of static k=15 (docs/adaptive.md, "A guess from plain decoding's price as priced")."""
         shape_plain, shape = self._shape("verify", batch, 1), self._shape("verify", batch, width)
-        if self._near("verify", batch, 1) is None:
+        near = self._near("verify", batch, 1)
+        if near is None:
             return shape
-        plain = self.verify(batch, 1)
+        plain = self._no_dearer_than_wider(batch, near)  # (reads only trusted verifies, which ``_own`` does not check)
         return plain + max(shape - shape_plain, 0.0) * min(1.0, plain / shape_plain)
 
     def _no_dearer_than_wider(self, batch: int, plain: float) -> float:
