@@ -47,7 +47,10 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    ``PROBE_AFTER_TOKENS`` in waits with its drafter only for a probe that will run: one the credit, with what the
    steps until then earn, will cover (or while the prior says the batch would draft, on a guessed price); waiting
    for nothing cost the batch context taps every step (docs/adaptive.md, "Waiting only for a probe the credit will
-   pay").
+   pay"). Nor does anything wait for a length the batch cannot reach (``_within_reach``): a guessed length whose
+   trial costs more than the credit can ever hold (the starting bank) is never tried, and a probe that could only
+   find such lengths teaches the batch nothing; a cold batch with nothing in reach retires at once (docs/adaptive.md,
+   "A trial out of reach").
 6. **What happened outranks what is predicted.** Before a batch decodes plainly on a prediction, the planner looks
    at the tokens per second its drafting and plain steps at this batch size realised lately
    (:meth:`AutoPlanner.realised_gain`); where drafting clearly won (``CLEAR_WIN``), the batch drafts the best
@@ -329,11 +332,14 @@ class AutoPlanner:
             drafts, rates = auto_length(self.costs, [prior] * batch, capable)
             if self._loses(rates, capable):  # those not far enough in to be probed yet wait for it ...
                 retiring = [i for i in live if requests[i].ready]
-                if not drafts:  # ... unless it will not come (while the prior says the batch would draft, on a
-                    # guessed price, they wait: once they are live, it may try it)
+                if not self._within_reach(capable, drafts, plain_step):  # ... unless it will not come (while the
+                    # prior says the batch would draft, on a guessed price the credit can cover, they wait: once they
+                    # are live, it may try it)
                     waiting = [i for i in live if not requests[i].ready]
                     retiring += self._unaffordable_waits(requests, waiting, wanted, prior, plain_step)
                 self._retire(requests, retiring)
+        elif not self._probe_could_pay(prior, wanted):  # a cold batch no probe can teach (``_within_reach``)
+            self._retire(requests, live)
         return Plan([0] * batch, "plain", plain_step)
 
     def _unaffordable_waits(self, requests: list[RequestMemory], waiting: list[int], wanted: list[int],
@@ -396,9 +402,22 @@ class AutoPlanner:
         return [min(length, w) for w in probing] if length and cycle_s <= self.credit_s else None
 
     def _probe_could_pay(self, prior: list[float], wanted: list[int]) -> bool:
-        """Would drafting pay at this batch for the rows ``wanted`` if their drafter beat the prior (``_hopeful``)?
-        Where not, no probe is worth making."""
-        return bool(auto_length(self.costs, [self._hopeful(prior)] * len(wanted), wanted)[0])
+        """Would drafting pay at this batch for the rows ``wanted`` if their drafter beat the prior (``_hopeful``), at
+        a length the batch can draft (``_within_reach``)? Where not, no probe is worth making."""
+        _, rates = auto_length(self.costs, [self._hopeful(prior)] * len(wanted), wanted)
+        plain_step = self.costs.step(len(wanted), 0, 0)
+        return any(self._within_reach(wanted, length, plain_step) for length, rate in rates.items()
+                   if length and rate > (1 + MARGIN) * rates[0])
+
+    def _within_reach(self, wanted: list[int], length: int, plain_step: float) -> bool:
+        """Can the batch of rows ``wanted`` ever draft ``length``: its cost is measured, or probes measure it (they
+        draft up to ``PROBE_ROWS``, and a cost measured at half or twice the rows counts), or a trial of it costs less
+        than the most credit there can be (a trial starts only when the credit covers its extra time)?"""
+        if not length:
+            return False
+        batch, drafting = len(wanted), sum(1 for w in wanted if w)
+        return (drafting <= 2 * PROBE_ROWS or self.costs.known(batch, drafting, length)
+                or self.costs.step(batch, drafting, length) - plain_step < self.bank_s)
 
     def _probe(self, probing: list[int], prior: list[float], plain_step: float) -> tuple[int, float]:
         """The length a probe of the rows with ``probing[i] > 0`` drafts, the one the prior expects to run fastest,

@@ -131,11 +131,7 @@ SHORT_MISSES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, workl
        for regime, concurrency in (("h200-1k", 16), ("h200-32k", 16), ("h200-32k", 64), ("compute-bound", 64))},
     **{(regime, concurrency, "untrained"): SHORT_COLD.replace("this cell passes", "this cell passes (0.95-0.99x)")
        for regime, concurrency in (("h200-32k", 4), ("h200-1k", 16), ("h200-32k", 16), ("compute-bound", 16),
-                                   ("h200-1k", 64), ("h200-32k", 64), ("cpu", 64))},
-    ("cpu", 16, "stories_t0"): ("the cold start (a plain step to price probes against, a probe of 4 rows) costs ~2.5% "
-                                "of this run, and the new requests wait half their response with drafters kept: the "
-                                "prior prices k=7 above plain decoding, from the calibrated shape alone, so the batch "
-                                "may try it once they are live; static k=3 is 0.93x plain at the docs table's scale"),
+                                   ("h200-1k", 64), ("h200-32k", 64))},
     ("cpu", 4, "stories_t0"): ("drafting breaks even at this scale (static k=3 and k=7 at 0.95x plain): each 32-token "
                                "response's first draft takes in its prompt, a one-off the per-step prediction leaves "
                                "out, and auto follows k=7 (0.94x); at the docs table's scale static k=7 wins 1.13x "

@@ -444,6 +444,50 @@ def test_a_request_keeps_its_drafter_while_it_waits_only_if_the_credit_will_pay_
     assert in_debt.plan([almost]).lengths == [0] and almost.retired
 
 
+def costs_guessed_at_16() -> CostModel:
+    """Forwards priced from the calibrated shape at batch 1-16 (drafting at batch 16 is a guess), plain decoding
+    measured at batch 1, 4 and 16: a 16-row step drafting 7 tokens is predicted to cost 3.4 ms more than a plain one."""
+    costs = CostModel(warming_steps=0)
+    for batch in (1, 2, 4, 8, 16):
+        for width in (1, 2, 4, 8, 16):
+            costs.calibrate("verify", batch, width, 1e-3 + 1e-5 * batch * width)
+            costs.calibrate("draft", batch, width, 1e-3 + 1e-5 * batch * width)
+    for _ in range(3):
+        for batch in (1, 4, 16):
+            costs.record("verify", batch, 1, costs.calibrated["verify"][(batch, 1)])
+            costs.record_overhead(False, batch, 0.0)
+    return costs
+
+
+@pytest.mark.parametrize("bank_s, reachable", [(1e-3, False), (50e-3, True)])
+def test_requests_wait_for_a_guessed_length_only_if_the_credit_can_ever_cover_its_trial(bank_s, reachable):
+    """A batch whose prior says a length would win on a price from the calibrated shape keeps its new requests'
+    drafters while they wait to be probed: the batch tries the length once the credit covers a trial's extra time.
+    The credit never holds more than the starting bank (8 plain steps of one request: 1.4 ms on the embedded pair's
+    ONNX Runtime engine, where a 16-row trial step was predicted ~3 ms dearer than a plain one), so where the trial
+    costs more, it never starts, and the requests waited with their drafters for nothing, every verify handing over
+    context taps: after the c=1 cell, the engine at c=16 decoded plainly at 0.91x plain decoding, 67 of each pass's 254
+    steps with a drafter kept (docs/adaptive.md, "A trial out of reach"). They retire at once there, and a cold batch
+    that no probe can teach (16 rows, drafting priced from the shape alone) retires too; a probe's 4 rows measure a
+    batch of up to 8, so a small batch still explores."""
+    informed = AutoPlanner(costs_guessed_at_16(), prior_with([(15, 12)] * 100))
+    informed.credit_s = informed.bank_s = bank_s
+    batch = [RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS) for _ in range(16)]
+    plan = informed.plan(batch)
+    if reachable:
+        assert plan.reason == "trial" and not any(r.retired for r in batch)
+    else:
+        assert plan.lengths == [0] * 16 and all(r.retired for r in batch)
+    cold = AutoPlanner(costs_guessed_at_16(), AcceptanceTracker(256, 64))
+    cold.credit_s = cold.bank_s = bank_s
+    batch = [request() for _ in range(16)]
+    plan = cold.plan(batch)
+    assert (plan.reason == "explore") == reachable and all(r.retired for r in batch) != reachable
+    small = AutoPlanner(costs_guessed_at_16(), AcceptanceTracker(256, 64))
+    small.credit_s = small.bank_s = bank_s
+    assert small.plan([request() for _ in range(4)]).reason == "explore"
+
+
 def test_traffic_slower_than_the_calibration_does_not_make_drafting_look_cheaper():
     """At batch 16 on a CPU a 3-draft cycle loses to plain decoding at calibrated costs. Traffic then measures
     plain steps 1.5x slower than calibrated (longer contexts, a busier machine): without scaling the points
