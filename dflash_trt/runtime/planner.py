@@ -405,7 +405,7 @@ class AutoPlanner:
         """Would drafting pay at this batch for the rows ``wanted`` if their drafter beat the prior (``_hopeful``), at
         a length the batch can draft (``_within_reach``)? Where not, no probe is worth making."""
         _, rates = auto_length(self.costs, [self._hopeful(prior)] * len(wanted), wanted)
-        plain_step = self.costs.step(len(wanted), 0, 0)
+        plain_step = len(wanted) / rates[0]  # ``auto_length`` priced plain decoding at batch / one plain step
         return any(self._within_reach(wanted, length, plain_step) for length, rate in rates.items()
                    if length and rate > (1 + MARGIN) * rates[0])
 
