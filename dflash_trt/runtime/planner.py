@@ -61,7 +61,9 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length, expected_tokens
@@ -315,8 +317,7 @@ class AutoPlanner:
                 # a length priced from the shape alone is a guess: it is tried for a few steps (its first one takes
                 # in the prompts, so only the next ones measure what drafting costs in steady state), if the credit
                 # covers the step's whole extra time (a guess can be far off)
-                extra = self.costs.step(batch, len(live), length) - plain_step
-                if 0 < self._trial < TRIAL_STEPS or self.credit_s > extra:
+                if 0 < self._trial < TRIAL_STEPS or self.credit_s > self._extra(batch, len(live), length, plain_step):
                     self._trial += 1
                     return Plan(lengths, "trial", plain_step)
             gain = self.realised_gain(batch)
@@ -325,7 +326,8 @@ class AutoPlanner:
                 self._trial = 0
                 return Plan([min(length, w) for w in wanted], "exploit", plain_step)
         self._trial = 0
-        explored = self._explore(requests, wanted, prior, plain_step)
+        could_pay = cache(lambda: self._probe_could_pay(prior, wanted))  # asked up to twice below: worked out once
+        explored = self._explore(requests, wanted, prior, plain_step, could_pay)
         if explored is not None:
             return Plan(explored, "explore", plain_step)
         if self.informed:
@@ -336,19 +338,19 @@ class AutoPlanner:
                     # prior says the batch would draft, on a guessed price the credit can cover, they wait: once they
                     # are live, it may try it)
                     waiting = [i for i in live if not requests[i].ready]
-                    retiring += self._unaffordable_waits(requests, waiting, wanted, prior, plain_step)
+                    retiring += self._unaffordable_waits(requests, waiting, prior, plain_step, could_pay)
                 self._retire(requests, retiring)
-        elif not self._probe_could_pay(prior, wanted):  # a cold batch no probe can teach (``_within_reach``)
+        elif not could_pay():  # a cold batch no probe can teach (``_within_reach``)
             self._retire(requests, live)
         return Plan([0] * batch, "plain", plain_step)
 
-    def _unaffordable_waits(self, requests: list[RequestMemory], waiting: list[int], wanted: list[int],
-                            prior: list[float], plain_step: float) -> list[int]:
+    def _unaffordable_waits(self, requests: list[RequestMemory], waiting: list[int], prior: list[float],
+                            plain_step: float, could_pay: Callable[[], bool]) -> list[int]:
         """The waiting requests whose probe the credit will not cover by the time they are ready (those closest to
         ready first; the credit grows by what the steps until then earn), or that ``_explore`` would not probe at all:
         keeping their drafters meanwhile hands over context taps every step for nothing (docs/adaptive.md, "Waiting
-        only for a probe the credit will pay")."""
-        if not waiting or not self._probe_could_pay(prior, wanted):
+        only for a probe the credit will pay"). ``could_pay``: ``_probe_could_pay`` for the batch."""
+        if not waiting or not could_pay():
             return waiting
         length, cycle_s = self._probe([requests[i].wanted if i == waiting[0] else 0 for i in range(len(requests))],
                                       prior, plain_step)
@@ -385,16 +387,17 @@ class AutoPlanner:
         return any((batch + drafting * k) / self.costs.step(batch, drafting, k) > (1 + MARGIN) * plain
                    for k in self.costs.draft_len_candidates(longest) if k)
 
-    def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float],
-                 plain_step: float) -> list[int] | None:
+    def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float], plain_step: float,
+                 could_pay: Callable[[], bool]) -> list[int] | None:
         """Drafts for the requests not yet probed, at the length the prior expects to run fastest (``_probe``), if a
-        better drafter would pay at this batch and the credit covers a cycle's predicted net cost; else None."""
+        better drafter would pay at this batch (``could_pay``: ``_probe_could_pay`` for the batch) and the credit
+        covers a cycle's predicted net cost; else None."""
         explorers = [i for i, r in enumerate(requests)  # a cold session probes at once: anything beats nothing
                      if wanted[i] and (r.ready or not self.informed) and not (r.probed and self.informed)]
         if not explorers:  # (plain decoding is measured at this batch size: ``_decide`` saw to it)
             return None
         explorers = sorted(explorers, key=lambda i: requests[i].context)[:PROBE_ROWS]
-        if not self._probe_could_pay(prior, wanted):
+        if not could_pay():
             return None
         chosen = set(explorers)
         probing = [w if i in chosen else 0 for i, w in enumerate(wanted)]
@@ -417,7 +420,11 @@ class AutoPlanner:
             return False
         batch, drafting = len(wanted), sum(1 for w in wanted if w)
         return (drafting <= 2 * PROBE_ROWS or self.costs.known(batch, drafting, length)
-                or self.costs.step(batch, drafting, length) - plain_step < self.bank_s)
+                or self._extra(batch, drafting, length, plain_step) < self.bank_s)
+
+    def _extra(self, batch: int, drafting: int, length: int, plain_step: float) -> float:
+        """What a step of ``drafting`` rows drafting ``length`` is predicted to cost over a plain step of the batch."""
+        return self.costs.step(batch, drafting, length) - plain_step
 
     def _probe(self, probing: list[int], prior: list[float], plain_step: float) -> tuple[int, float]:
         """The length a probe of the rows with ``probing[i] > 0`` drafts, the one the prior expects to run fastest,
