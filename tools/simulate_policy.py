@@ -4,6 +4,7 @@
     python tools/simulate_policy.py table --out docs/adaptive.md
     python tools/simulate_policy.py mixed --regime cpu --concurrency 16 --workload stories_t0 --seeds 0,1,2
     python tools/simulate_policy.py by-start
+    python tools/simulate_policy.py switch --regime h200-1k --concurrency 64 --first untrained --then stories_t0
 
 ``record`` serves shipped prompt sets on the embedded stories260K pair (torch backend, static speculation,
 the whole block) and stores each request's per-cycle accepted drafts, plus two synthetic workloads.
@@ -13,6 +14,8 @@ of the file is kept). ``mixed`` runs one cell on a workload of mixed lengths (``
 every 4th request six recorded responses long), 2 requests per slot, and prints each policy's speed over plain
 decoding per seed: where the batch shrinks with long requests left. ``by-start`` prints, per shipped workload, the
 tokens a cycle commits by where in its response it starts (tokens 0-15, 16-31, 32-127): what a probe made there reads.
+``switch`` serves one workload's requests (2 per slot), then another's (6 per slot), and prints each policy's speed over
+plain decoding per seed: whether the session notices that its workload changed.
 """
 
 from __future__ import annotations
@@ -97,6 +100,22 @@ def mixed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[
               f"the best fixed choice)")
 
 
+def switch(regime: str, concurrency: int, first: traces.Workload, then: traces.Workload, seeds: list[int]) -> None:
+    from dflash_trt.bench import simulate
+    from dflash_trt.bench.sim_regimes import REGIMES
+
+    workload = traces.switched(first, then, 2 * concurrency, 6 * concurrency)
+    policies = ("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto")
+    print(f"{regime}, c={concurrency}, {workload.description}: tokens/s over plain decoding")
+    for seed in seeds:
+        runs = {policy: simulate.run(REGIMES[regime], workload, concurrency, policy, seed=seed,
+                                     requests=len(workload.requests), offset=0) for policy in policies}
+        ratios = {policy: run.tokens_per_s / runs["plain"].tokens_per_s for policy, run in runs.items()}
+        best = max(ratios.values())
+        print(f"seed {seed}: " + "  ".join(f"{p} {r:.3f}x" for p, r in ratios.items() if p != "plain")
+              + f" ({ratios['auto'] / best:.2f} of the best fixed choice)")
+
+
 def by_start() -> None:
     starts, end = (0, 16, 32), 128
     ranges = [f"{a}-{b - 1}" for a, b in zip(starts, [*starts[1:], end])]
@@ -139,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     mix.add_argument("--every", type=_positive, default=4, help="one request in this many is long")
     mix.add_argument("--joined", type=_positive, default=6, help="recorded responses a long request is made of")
     sub.add_parser("by-start", help="tokens a cycle commits by where in its response it starts, per workload")
+    swi = sub.add_parser("switch", help="one workload's requests, then another's: does the session notice?")
+    swi.add_argument("--regime", default="h200-1k", choices=list(REGIMES))
+    swi.add_argument("--concurrency", type=_positive, default=64)
+    swi.add_argument("--first", default="untrained", help="a workload of the shipped traces, served first")
+    swi.add_argument("--then", default="stories_t0", help="a workload of the shipped traces, served after it")
+    swi.add_argument("--seeds", type=_seeds, default="0,1,2", help="comma-separated integers")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.out)
@@ -148,9 +173,15 @@ def main(argv: list[str] | None = None) -> int:
         by_start()
     else:  # the traces are read here, not for every command: ``record`` rewrites them
         workloads = traces.load()
-        if args.workload not in workloads:
-            mix.error(f"argument --workload: invalid choice: {args.workload!r} (choose from {', '.join(workloads)})")
-        mixed(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.every, args.joined)
+        chosen = ("workload",) if args.command == "mixed" else ("first", "then")
+        for name in chosen:
+            if getattr(args, name) not in workloads:
+                (mix if args.command == "mixed" else swi).error(
+                    f"argument --{name}: invalid choice: {getattr(args, name)!r} (choose from {', '.join(workloads)})")
+        if args.command == "mixed":
+            mixed(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.every, args.joined)
+        else:
+            switch(args.regime, args.concurrency, workloads[args.first], workloads[args.then], args.seeds)
     return 0
 
 

@@ -142,6 +142,24 @@ def synthetic(name: str, description: str, alphas: list[float], prompt_lengths: 
     return Workload(name, description, len(alphas) + 1, tuple(prompt_lengths), tuple(requests))
 
 
+def switched(first: Workload, then: Workload, first_requests: int, then_requests: int) -> Workload:
+    """Traffic whose workload changes once: ``first_requests`` requests of ``first``, then ``then_requests`` of
+    ``then`` (each taken in its recorded order, from its start again if it has fewer). Served from its first request
+    (``simulate.run(..., offset=0)``), a session meets the change after ``first_requests``."""
+    if first.block_len != then.block_len:
+        raise ConfigError(f"the workloads' block lengths differ ({first.name}: {first.block_len}, {then.name}: "
+                          f"{then.block_len}); expected one. Fix: switch between workloads recorded at one block "
+                          "length.")
+    for name, value in (("first_requests", first_requests), ("then_requests", then_requests)):
+        if value < 1:
+            raise ConfigError(f"{name} is {value}; expected 1 or more. Fix: pass a positive {name}.")
+    picked = [(first, i) for i in range(first_requests)] + [(then, i) for i in range(then_requests)]
+    return Workload(f"{first.name}_then_{then.name}", f"{first_requests} requests of {first.name}, then "
+                    f"{then_requests} of {then.name}", first.block_len,
+                    tuple(w.prompt_lengths[i % len(w.requests)] for w, i in picked),
+                    tuple(w.requests[i % len(w.requests)] for w, i in picked))
+
+
 def mixed_lengths(workload: Workload, every: int, joined: int) -> Workload:
     """``workload`` with every ``every``-th request (the last of each group of ``every``) made ``joined`` times as long:
     its recorded cycles followed by those of the ``joined - 1`` requests after it. A batch of such requests shrinks,

@@ -239,15 +239,18 @@ def _speculation(policy: str) -> SpeculationConfig:
 
 def run(regime: Regime, workload: Workload, concurrency: int, policy: str, *, seed: int = 0,
         requests: int | None = None, limit_s: float | None = None, noise: bool = True,
-        max_tokens: int | None = None) -> RunResult:
+        max_tokens: int | None = None, offset: int | None = None) -> RunResult:
     """Serve ``requests`` requests of ``workload`` (default: 4 per slot, at least ``MIN_REQUESTS``) from
     ``concurrency`` clients that each send the next as soon as theirs ends, under ``policy`` (``plain``,
     ``static:K``, ``auto``, ``oracle``) on ``regime``; stop early once ``limit_s`` simulated seconds of decoding
-    have passed. ``max_tokens`` cuts each request's output there. Deterministic by seed: the same seed gives every
-    policy the same requests and the same load bursts at the same simulated times (counted from the start of
-    serving; ``auto``'s calibration runs before it, in the schedule's first burst if it starts with one)."""
+    have passed. ``max_tokens`` cuts each request's output there. ``offset``: the request of ``workload`` served first
+    (the rest follow in order, from its start again after its last); None, one drawn by the seed. Deterministic by
+    seed: the same seed gives every policy the same requests and the same load bursts at the same simulated times
+    (counted from the start of serving; ``auto``'s calibration runs before it, in the schedule's first burst if it
+    starts with one)."""
     count = requests if requests is not None else max(MIN_REQUESTS, 4 * concurrency)
-    offset = random.Random(seed).randrange(len(workload.requests))
+    if offset is None:
+        offset = random.Random(seed).randrange(len(workload.requests))
 
     def spec(request_id: int) -> tuple[int, list[int]]:
         index = (offset + request_id) % len(workload.requests)

@@ -7,6 +7,7 @@ import pytest
 
 from dflash_trt.bench import acceptance_traces, simulate
 from dflash_trt.bench.sim_regimes import REGIMES
+from dflash_trt.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,15 @@ def test_tokens_per_cycle_by_where_the_cycle_starts():
     # cycles start at tokens 0, 4, 5 (first request) and 0, 1 (second); each commits accepted + 1
     assert workload.tokens_per_cycle_by_start((0, 2, 5), 8) == [(4 + 1 + 2) / 3, 1.0, 16.0]
     assert workload.tokens_per_cycle_by_start((0, 8), 16) == [24 / 5, None]
+
+
+def test_switched_traffic_is_one_workloads_requests_then_the_others(traces):
+    first, then = traces["untrained"], traces["stories_t0"]
+    switched = acceptance_traces.switched(first, then, 3, len(then.requests) + 1)
+    assert switched.requests[:3] == first.requests[:3] and switched.requests[3:-1] == then.requests
+    assert switched.requests[-1] == then.requests[0] and switched.prompt_lengths[3] == then.prompt_lengths[0]
+    with pytest.raises(ConfigError, match="then_requests is 0"):
+        acceptance_traces.switched(first, then, 3, 0)
 
 
 def test_a_static_run_replays_the_trace_exactly(traces):
@@ -131,7 +141,7 @@ SHORT_MISSES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, workl
        for regime, concurrency in (("h200-1k", 16), ("h200-32k", 16), ("h200-32k", 64), ("compute-bound", 64))},
     **{(regime, concurrency, "untrained"): SHORT_COLD.replace("this cell passes", "this cell passes (0.95-0.99x)")
        for regime, concurrency in (("h200-32k", 4), ("h200-1k", 16), ("h200-32k", 16), ("compute-bound", 16),
-                                   ("h200-1k", 64), ("h200-32k", 64))},
+                                   ("h200-1k", 64), ("h200-32k", 64), ("compute-bound", 64))},
     ("cpu", 4, "stories_t0"): ("drafting breaks even at this scale (static k=3 and k=7 at 0.95x plain): each 32-token "
                                "response's first draft takes in its prompt, a one-off the per-step prediction leaves "
                                "out, and auto follows k=7 (0.94x); at the docs table's scale static k=7 wins 1.13x "
@@ -168,6 +178,20 @@ def test_requests_joining_a_batch_of_retired_ones_draft_again_once_the_batch_tur
                          policies=("plain", "static:3", "auto"))
     assert cell.ratio("static:3") > 1.2
     assert cell.ratio("auto") > 1.1, cell.results["auto"].draft_lens
+
+
+def test_a_session_notices_when_its_workload_changes(traces):
+    """h200-1k, c=64: 128 requests from an untrained drafter's traces, then 384 in domain (static k=3: 1.47x plain
+    there). The batch retires on the first ones; with probes judged by the live requests alone, the few new requests
+    live at a time could never pay for the batch, so none was probed and auto stayed at 1.00x plain for the rest of
+    the run. Judged by every request with a drafter, a new request is probed once it is far enough in, the estimate
+    follows the workload, and the batch drafts again (``tools/simulate_policy.py switch``)."""
+    workload = acceptance_traces.switched(traces["untrained"], traces["stories_t0"], 2 * 64, 6 * 64)
+    runs = {policy: simulate.run(REGIMES["h200-1k"], workload, 64, policy, requests=len(workload.requests), offset=0)
+            for policy in ("plain", "static:3", "auto")}
+    ratio = {policy: run.tokens_per_s / runs["plain"].tokens_per_s for policy, run in runs.items()}
+    assert ratio["static:3"] > 1.3
+    assert ratio["auto"] >= simulate.BAR * ratio["static:3"], (ratio, runs["auto"].draft_lens)
 
 
 def test_a_finished_request_cannot_lend_its_id_and_its_plan_to_a_new_one():

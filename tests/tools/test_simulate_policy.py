@@ -1,4 +1,5 @@
-"""tools/simulate_policy.py's ``mixed`` cell, and the workload of mixed lengths it runs (bench/acceptance_traces.py)."""
+"""tools/simulate_policy.py's ``mixed`` and ``switch`` cells, and the workload of mixed lengths ``mixed`` runs
+(bench/acceptance_traces.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,20 @@ def test_the_mixed_cell_prints_each_policy_over_plain_decoding_per_seed(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("h200-1k, c=4, ") and "every 4th request 6x as long" in out[0]
     assert out[1].startswith("seed 0: static:1 ") and " auto " in out[1] and out[1].endswith("of the best fixed choice)")
+
+
+def test_the_switch_cell_prints_each_policy_over_plain_decoding_per_seed(capsys):
+    assert simulate_policy.main(["switch", "--regime", "h200-1k", "--concurrency", "4", "--seeds", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("h200-1k, c=4, 8 requests of untrained, then 24 of stories_t0: tokens/s over plain decoding")
+    assert out[1].startswith("seed 0: static:1 ") and " auto " in out[1] and out[1].endswith("of the best fixed choice)")
+
+
+@pytest.mark.parametrize("argument, value", [("--then", "stories"), ("--first", "x")])
+def test_a_switch_between_workloads_not_shipped_is_refused(capsys, argument, value):
+    with pytest.raises(SystemExit):
+        simulate_policy.main(["switch", argument, value])
+    assert f"argument {argument}: invalid choice: {value!r}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argument, value, expected", [("--seeds", "0,x", "comma-separated list of integers"),
