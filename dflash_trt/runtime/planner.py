@@ -40,14 +40,10 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    step; on an engine at batch 16, up to 1.5x a plain request's step). They keep their drafter only on a close call:
    a measured length within ``MARGIN`` of plain decoding. A length priced from the calibrated shape alone is a
    guess however well it is predicted to do: waiting for the credit to try it cost more than it could win
-   (docs/adaptive.md, "Waiting for a guess"), and a later batch tries it once the credit covers it. The three
-   judgements (hopeless, plain for the prior, and whether a probe could find a length worth drafting) count every
-   request with a drafter, the retired ones included: judged by its live requests alone, a request joining a batch
-   of retired ones looked hopeless by itself (a wide verify is paid by every row) and retired in turn, so a batch
-   that retired once never drafted again; and where a few new requests were all that was live, no probe of them
-   could pay for the batch, so none was made and the session never learned that its workload had changed (the
-   simulated H200 at c=64, an untrained drafter's traffic turning to in-domain stories: 1.00x plain against static
-   k=3's 1.47x; docs/adaptive.md, "A probe worth making for the whole batch"). A request not yet
+   (docs/adaptive.md, "Waiting for a guess"), and a later batch tries it once the credit covers it. Both judgements
+   (hopeless, plain for the prior) count every request with a drafter, the retired ones included: judged by its
+   live requests alone, a request joining a batch of retired ones looked hopeless by itself (a wide verify is paid
+   by every row) and retired in turn, so a batch that retired once never drafted again. A request not yet
    ``PROBE_AFTER_TOKENS`` in waits with its drafter only for a probe that will run: one the credit, with what the
    steps until then earn, will cover (or while the prior says the batch would draft, on a guessed price); waiting
    for nothing cost the batch context taps every step (docs/adaptive.md, "Waiting only for a probe the credit will
@@ -330,7 +326,7 @@ class AutoPlanner:
                 self._trial = 0
                 return Plan([min(length, w) for w in wanted], "exploit", plain_step)
         self._trial = 0
-        could_pay = cache(lambda: self._probe_could_pay(prior, capable))  # asked up to twice below: worked out once
+        could_pay = cache(lambda: self._probe_could_pay(prior, wanted))  # asked up to twice below: worked out once
         explored = self._explore(requests, wanted, prior, plain_step, could_pay)
         if explored is not None:
             return Plan(explored, "explore", plain_step)
@@ -409,9 +405,8 @@ class AutoPlanner:
         return [min(length, w) for w in probing] if length and cycle_s <= self.credit_s else None
 
     def _probe_could_pay(self, prior: list[float], wanted: list[int]) -> bool:
-        """Would drafting pay at this batch for the rows ``wanted`` (every request with a drafter, the retired ones
-        included: what the batch can draft once it turns over) if their drafter beat the prior (``_hopeful``), at a
-        length the batch can draft (``_within_reach``)? Where not, no probe is worth making."""
+        """Would drafting pay at this batch for the rows ``wanted`` if their drafter beat the prior (``_hopeful``), at
+        a length the batch can draft (``_within_reach``)? Where not, no probe is worth making."""
         _, rates = auto_length(self.costs, [self._hopeful(prior)] * len(wanted), wanted)
         plain_step = len(wanted) / rates[0]  # ``auto_length`` priced plain decoding at batch / one plain step
         return any(self._within_reach(wanted, length, plain_step) for length, rate in rates.items()

@@ -141,7 +141,7 @@ SHORT_MISSES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, workl
        for regime, concurrency in (("h200-1k", 16), ("h200-32k", 16), ("h200-32k", 64), ("compute-bound", 64))},
     **{(regime, concurrency, "untrained"): SHORT_COLD.replace("this cell passes", "this cell passes (0.95-0.99x)")
        for regime, concurrency in (("h200-32k", 4), ("h200-1k", 16), ("h200-32k", 16), ("compute-bound", 16),
-                                   ("h200-1k", 64), ("h200-32k", 64), ("compute-bound", 64))},
+                                   ("h200-1k", 64), ("h200-32k", 64))},
     ("cpu", 4, "stories_t0"): ("drafting breaks even at this scale (static k=3 and k=7 at 0.95x plain): each 32-token "
                                "response's first draft takes in its prompt, a one-off the per-step prediction leaves "
                                "out, and auto follows k=7 (0.94x); at the docs table's scale static k=7 wins 1.13x "
@@ -180,12 +180,15 @@ def test_requests_joining_a_batch_of_retired_ones_draft_again_once_the_batch_tur
     assert cell.ratio("auto") > 1.1, cell.results["auto"].draft_lens
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "a known limitation: the batch retires on the untrained requests, and the few new requests live at a time cannot "
+    "pay for a batch of 64 by themselves, so none is probed and the session decodes plainly for the rest of the run "
+    "(1.00x plain against static k=3's 1.47x). Judging the probe on every request with a drafter fixes it (0.99 of "
+    "static k=3) but cost the README's OpenAI server A/B at c=8 1.02-1.09x against 1.13-1.19x (docs/adaptive.md, "
+    "\"Tried and dropped again: a probe judged for the whole batch\")"))
 def test_a_session_notices_when_its_workload_changes(traces):
     """h200-1k, c=64: 128 requests from an untrained drafter's traces, then 384 in domain (static k=3: 1.47x plain
-    there). The batch retires on the first ones; with probes judged by the live requests alone, the few new requests
-    live at a time could never pay for the batch, so none was probed and auto stayed at 1.00x plain for the rest of
-    the run. Judged by every request with a drafter, a new request is probed once it is far enough in, the estimate
-    follows the workload, and the batch drafts again (``tools/simulate_policy.py switch``)."""
+    there): does the batch draft again once the workload turned (``tools/simulate_policy.py switch``)?"""
     workload = acceptance_traces.switched(traces["untrained"], traces["stories_t0"], 2 * 64, 6 * 64)
     runs = {policy: simulate.run(REGIMES["h200-1k"], workload, 64, policy, requests=len(workload.requests), offset=0)
             for policy in ("plain", "static:3", "auto")}
