@@ -14,8 +14,8 @@ of the file is kept). ``mixed`` runs one cell on a workload of mixed lengths (``
 every 4th request six recorded responses long), 2 requests per slot, and prints each policy's speed over plain
 decoding per seed: where the batch shrinks with long requests left. ``by-start`` prints, per shipped workload, the
 tokens a cycle commits by where in its response it starts (tokens 0-15, 16-31, 32-127): what a probe made there reads.
-``switch`` serves one workload's requests (2 per slot), then another's (6 per slot), and prints each policy's speed over
-plain decoding per seed: whether the session notices that its workload changed.
+``switch`` serves one workload's requests (2 per slot), then another's (6 per slot; 32 requests at least), and
+prints each policy's speed over plain decoding per seed: whether the session notices that its workload changed.
 """
 
 from __future__ import annotations
@@ -102,18 +102,16 @@ def mixed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[
 
 def switch(regime: str, concurrency: int, first: traces.Workload, then: traces.Workload, seeds: list[int]) -> None:
     from dflash_trt.bench import simulate
-    from dflash_trt.bench.sim_regimes import REGIMES
 
-    workload = traces.switched(first, then, 2 * concurrency, 6 * concurrency)
-    policies = ("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto")
+    total = max(simulate.MIN_REQUESTS, 8 * concurrency)  # what a cell of 8 requests per slot serves
+    workload = traces.switched(first, then, total // 4, total - total // 4)
     print(f"{regime}, c={concurrency}, {workload.description}: tokens/s over plain decoding")
-    for seed in seeds:
-        runs = {policy: simulate.run(REGIMES[regime], workload, concurrency, policy, seed=seed,
-                                     requests=len(workload.requests), offset=0) for policy in policies}
-        ratios = {policy: run.tokens_per_s / runs["plain"].tokens_per_s for policy, run in runs.items()}
-        best = max(ratio for policy, ratio in ratios.items() if policy != "auto")  # plain or a static length
-        print(f"seed {seed}: " + "  ".join(f"{p} {r:.3f}x" for p, r in ratios.items() if p != "plain")
-              + f" ({ratios['auto'] / best:.2f} of the best fixed choice)")
+    for seed in seeds:  # served from the first request on, so the change comes after the first workload's requests
+        cell = simulate.cell(regime, concurrency, workload, seed=seed, requests_per_slot=8, offset=0,
+                             policies=("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto"))
+        statics = "  ".join(f"{p} {cell.ratio(p):.3f}x" for p in cell.results if p.startswith("static:"))
+        print(f"seed {seed}: {statics}  auto {cell.ratio('auto'):.3f}x ({cell.ratio('auto') / cell.best_fixed:.2f} of "
+              f"the best fixed choice)")
 
 
 def by_start() -> None:
@@ -173,11 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         by_start()
     else:  # the traces are read here, not for every command: ``record`` rewrites them
         workloads = traces.load()
-        chosen = ("workload",) if args.command == "mixed" else ("first", "then")
-        for name in chosen:
+        command, names = (mix, ("workload",)) if args.command == "mixed" else (swi, ("first", "then"))
+        for name in names:
             if getattr(args, name) not in workloads:
-                (mix if args.command == "mixed" else swi).error(
-                    f"argument --{name}: invalid choice: {getattr(args, name)!r} (choose from {', '.join(workloads)})")
+                command.error(f"argument --{name}: invalid choice: {getattr(args, name)!r} "
+                              f"(choose from {', '.join(workloads)})")
         if args.command == "mixed":
             mixed(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.every, args.joined)
         else:

@@ -332,13 +332,14 @@ class Cell:
 
 
 def cell(regime: str, concurrency: int, workload: Workload, *, seed: int = 0, requests_per_slot: int = 4,
-         policies: tuple[str, ...] | None = None, max_tokens: int | None = None) -> Cell:
+         policies: tuple[str, ...] | None = None, max_tokens: int | None = None, offset: int | None = None) -> Cell:
     """Every policy on the same requests, noise and bursts: ``requests_per_slot`` x ``concurrency`` requests
-    (at least ``MIN_REQUESTS``)."""
+    (at least ``MIN_REQUESTS``), from ``workload``'s request ``offset`` on (see :func:`run`)."""
     policies = policies or ("plain", *(f"static:{k}" for k in STATIC_LENGTHS), "auto", "oracle")
     return Cell(regime, concurrency, workload.name, workload.tau,
                 {p: run(REGIMES[regime], workload, concurrency, p, seed=seed,
-                        requests=max(MIN_REQUESTS, requests_per_slot * concurrency), max_tokens=max_tokens)
+                        requests=max(MIN_REQUESTS, requests_per_slot * concurrency), max_tokens=max_tokens,
+                        offset=offset)
                  for p in policies})
 
 
