@@ -111,6 +111,45 @@ def test_every_cited_document_exists_and_every_cited_section_is_a_heading():
                   for ref in refs if ref not in headings(doc)]
     assert not unresolved, "sections cited that are not headings of the document:\n" + "\n".join(unresolved)
 
+#: what may follow a document: quoted section titles, ``, "Waiting for a guess"`` (a title may break across lines,
+#: inside a comment or a string literal; a citation may quote the start of a long title)
+TITLE_REFS = re.compile(r'[)\]`*]*,\s*((?:(?:,|and)?\s*(?:#\s*)?\\?"(?:[^"\\]|"\s*\n\s*")+\\?"\s*)+)')
+TITLE = re.compile(r'"((?:[^"\\]|"\s*\n\s*")+)\\?"')
+HEADING_TITLE = re.compile(r"^#{1,6}\s+(.+)$", re.M)
+
+
+def normalised(title: str) -> str:
+    """One line, without a comment's or a string literal's line breaks, and without a heading's number (``11.``)."""
+    title = re.sub(r'"\s*\n\s*"', "", title)  # adjacent string literals
+    title = re.sub(r"\s+", " ", re.sub(r"\n\s*#\s*", " ", title)).strip()
+    return re.sub(r"^(?:\d+(?:\.\d+)*\.?|R\d+\.?)\s+", "", title)
+
+
+def title_citations() -> list[tuple[str, Path, str]]:
+    """(where, document, title) for every quoted section title that follows a repository ``*.md`` citation."""
+    found = []
+    for path in scanned_files():
+        text = read_text(path)
+        if text is None:
+            continue
+        for match in MD_PATH.finditer(text):
+            doc = resolve_document(match.group(1), path)
+            refs = TITLE_REFS.match(text, match.end())
+            if doc is None or doc.suffix != ".md" or refs is None:
+                continue
+            where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}"
+            found.extend((where, doc, normalised(title)) for title in TITLE.findall(refs.group(1)))
+    return found
+
+
+def test_every_section_cited_by_title_is_a_heading():
+    citations = title_citations()
+    assert len(citations) > 30, "the scan found too few title citations to be looking at the right files"
+    unresolved = [f"{where}: {doc.relative_to(ROOT)} \"{title}\"" for where, doc, title in citations
+                  if not any(normalised(heading).startswith(title) for heading in HEADING_TITLE.findall(
+                      doc.read_text(encoding="utf-8")))]
+    assert not unresolved, "sections cited by title that are not headings of the document:\n" + "\n".join(unresolved)
+
 
 def test_section_citations_point_at_the_design_documents():
     cited = {doc.relative_to(ROOT).as_posix() for _, doc, _, refs in document_citations() if refs}

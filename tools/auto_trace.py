@@ -1,5 +1,5 @@
-"""Why the ``auto`` policy decided what it did, in a real benchmark run or server (docs/adaptive.md, "What happened
-at c=1" and "The server at c=1").
+"""Why the ``auto`` policy decided what it did, in a real benchmark run or server (docs/adaptive-notebook.md, "What
+happened at c=1" and "The server at c=1").
 
 Runs ``dflash-trt bench`` (or ``dflash-trt serve``, when the arguments after ``--`` start with ``serve``) with the
 given arguments, and records, for the adaptive session only:

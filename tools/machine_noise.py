@@ -3,7 +3,7 @@
 Times one fixed piece of work (a float32 matmul loop on one thread) back to back for ``--seconds`` and prints its
 speed per ``--window`` seconds, then the ratio of each window's speed to the next one's: what a benchmark that
 alternates two *identical* modes window by window would report as their "speed-up". A benchmark's ratio between
-two modes can be told apart from 1.0 only beyond that spread (docs/adaptive.md, "Plain decoding's price while
+two modes can be told apart from 1.0 only beyond that spread (docs/adaptive-notebook.md, "Plain decoding's price while
 drafting")::
 
     python tools/machine_noise.py --seconds 30 --window 1

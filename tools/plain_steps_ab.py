@@ -1,5 +1,5 @@
 """What a plain step costs in an adaptive session, for plain requests and for requests that asked to draft
-(docs/adaptive.md, "Waiting for a guess").
+(docs/adaptive-notebook.md, "Waiting for a guess").
 
 One ``speculation auto`` session serves waves of the same prompts, alternating (A B, B A, ...) a wave of plain
 requests (``block_len`` 1) and a wave of drafting ones (the engine's block). For each wave it prints the median of its

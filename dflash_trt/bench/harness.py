@@ -124,8 +124,8 @@ def run_cell(runners: dict[str, Runner], requests: list[tuple[list[int], Samplin
     tokens, it showed the session only the first cycles of responses, the hardest (``tools/simulate_policy.py
     by-start``), so its estimate started below what the measured requests accept and it decoded the first of them
     plainly while static drafting won (the OpenAI server A/B at c=1, two rounds each: adaptive 0.84 and 0.87 of
-    static's speed-up after 16-token warm-ups, 0.92 and 0.94 after full-length ones; docs/adaptive.md, "Warm-ups as
-    long as the measured requests")."""
+    static's speed-up after 16-token warm-ups, 0.92 and 0.94 after full-length ones; docs/adaptive-notebook.md,
+    "Warm-ups as long as the measured requests")."""
     names = list(runners)
     warm = requests[:concurrency]
     for name in names:

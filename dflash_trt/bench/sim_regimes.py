@@ -9,7 +9,7 @@ computed), and the host time of a scheduler step outside its forwards:
   decoding at c=16 ~5x its c=1 throughput; attention ~14 ns per key, head and layer), as a base plus a per-token
   term (tests/cost_tables.py's form). A verify that hands over context taps (some row keeps a drafter) costs
   11 us more per row: plain steps of drafting requests took 1.73 ms against plain requests' 1.55 ms at batch 16
-  (``tools/plain_steps_ab.py``, docs/adaptive.md, "Waiting for a guess"). Draft calls are priced batched (the
+  (``tools/plain_steps_ab.py``, docs/adaptive-notebook.md, "Waiting for a guess"). Draft calls are priced batched (the
   torch backend's; the engine's drafter takes one request per call, which makes drafting dearer at c > 1 than
   here).
 - ``cpu-0.6b``: a Qwen3-0.6B-shaped target with a 1-layer drafter (tools/make_checkpoints.py), torch eager

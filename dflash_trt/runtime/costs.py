@@ -16,14 +16,14 @@ Two sources, read in this order:
    the calibration's therefore prices a wide forward *low*: the policy tries it and traffic measures it.
    Pricing it high instead is not self-correcting: a length priced too dear is never tried, so never
    measured (a multiplicative "drift" from plain steps priced a 64-row 16-token verify at a 32k-token context
-   4x what it costs, on the simulated H200 in docs/adaptive.md).
+   4x what it costs, on the simulated H200 in docs/adaptive-notebook.md).
 
 Verifies run every step, so they also tell how loaded the machine is now (:attr:`CostModel.load`), whether the
 batch drafts or not; every forward is priced at the load of now (a plain verify from its last few measurements and
 the load they ran at, any other forward from its measurements over the load each ran at), so that drafting measured
 during a burst of load and plain decoding measured after it compare as they would at the same time. A plain price
 that stayed at a burst's level while the batch drafted (nothing measured plain decoding, so nothing moved it) made
-drafting look like a gain where it lost: 0.84-0.94x plain decoding in three CPU cells of docs/adaptive.md.
+drafting look like a gain where it lost: 0.84-0.94x plain decoding in three CPU cells of docs/adaptive-notebook.md.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _LOAD_HISTORY = 256
 """Verifies of one point its usual time is taken over, for :attr:`CostModel.load`: more than a long burst of load
 lasts. Over 64, a burst of 150 plain steps at c=1 became plain decoding's usual time; its load then read 0.5 once the
 burst ended, and plain decoding was priced at 2x its cost for the hundreds of drafting steps that followed (the
-simulator's CPU at c=1, seed 2: 0.88x plain; docs/adaptive.md, "A usual time longer than a burst")."""
+simulator's CPU at c=1, seed 2: 0.88x plain; docs/adaptive-notebook.md, "A usual time longer than a burst")."""
 WARMING_STEPS = 12
 """A session's first drafting steps, whose time outside the forwards is not kept: on an ONNX Runtime engine at batch
 1 the first ten took 1.4-2.2 ms there, the later ones 0.75-0.85 ms, and three of them priced drafting at a loss
@@ -62,8 +62,8 @@ _DEARER = 1.25
 ``_TRUSTED`` times may be before that price is taken for one measured in a burst of load and the verify is priced as a
 guess again (so the policy tries it, and traffic measures it again). Bursts slow a step 1.5-3x; noise is 5%. A session
 whose trial of k=15 at batch 64 ran in a burst priced that verify at 128 ms against the 68 ms it costs, drafted k=3
-for the next 150 steps, and gave 0.70 of static k=15 (the simulated H200 at 32k-token prompts; docs/adaptive.md,
-"A trial is not a probe")."""
+for the next 150 steps, and gave 0.70 of static k=15 (the simulated H200 at 32k-token prompts;
+docs/adaptive-notebook.md, "A trial is not a probe")."""
 _STALE_STEPS = 1024
 """Scheduler steps after which a point's measurements expire (it was not measured since). Forwards are kept over the
 load they ran at, so expiry is not what forgets a burst; it forgets prices the policy stopped testing. At 256 steps,
@@ -148,7 +148,7 @@ class CostModel:
         15.5 ms where later ones took ~3 ms, and since that server only drafted, nothing measured plain decoding
         again. Every wide verify not measured yet was priced from that plain step, so k=15 looked dearer than k=3
         (whose verify traffic had measured), and the server drafted k=3 where k=15 won, for a thousand steps
-        (docs/adaptive.md, "The server at c=1")."""
+        (docs/adaptive-notebook.md, "The server at c=1")."""
         estimate = self._measured((kind, batch, width), seconds)
         if estimate is not None:
             self.table[kind][(batch, width)] = estimate
@@ -161,7 +161,7 @@ class CostModel:
         for a session's warming drafting steps, nor for a drafting step where some row took in a prompt's (or plain
         steps') context (:attr:`StepReport.took_in_context`): a one-off, and at batch 1 each request's first drafting
         step is one. Kept, they priced steady-state drafting at c=1 too dear and requests retired where static
-        drafting won 1.4-1.6x (docs/adaptive.md, "What happened at c=1")."""
+        drafting won 1.4-1.6x (docs/adaptive-notebook.md, "What happened at c=1")."""
         self._steps += 1
         self.last_step_warming = drafting and self._drafting_steps < self.warming_steps
         if self.last_step_warming:
@@ -230,7 +230,8 @@ class CostModel:
         a wider verify of the batch) plus what the shape says the ``width - 1`` more tokens add (scaled down when plain
         decoding runs faster than the shape says). From plain decoding's own measurements, a plain price taken in a
         burst made every unmeasured length look as dear as the burst: the simulated H200 at c=4 (seed 4) drafted k=3
-        for its whole run at 0.89 of static k=15 (docs/adaptive.md, "A guess from plain decoding's price as priced")."""
+        for its whole run at 0.89 of static k=15 (docs/adaptive-notebook.md, "A guess from plain decoding's price as
+        priced")."""
         shape_plain, shape = self._shape("verify", batch, 1), self._shape("verify", batch, width)
         near = self._near("verify", batch, 1)
         if near is None:
@@ -287,7 +288,7 @@ class CostModel:
         checked again once those steps are that far behind (a plain step then costs the batch one step's gain, at
         most twice per price): taken in a burst of load, it priced the plain step's host time at twice its cost and
         a batch of 64 on the simulated CPU drafted k=1 at 0.70x plain decoding for the rest of its run
-        (docs/adaptive.md, "A plain price checked again")."""
+        (docs/adaptive-notebook.md, "A plain price checked again")."""
         found = self._near_point("verify", batch, 1)
         if found is None:
             return False

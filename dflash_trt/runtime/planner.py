@@ -40,17 +40,17 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    step; on an engine at batch 16, up to 1.5x a plain request's step). They keep their drafter only on a close call:
    a measured length within ``MARGIN`` of plain decoding. A length priced from the calibrated shape alone is a
    guess however well it is predicted to do: waiting for the credit to try it cost more than it could win
-   (docs/adaptive.md, "Waiting for a guess"), and a later batch tries it once the credit covers it. Both judgements
-   (hopeless, plain for the prior) count every request with a drafter, the retired ones included: judged by its
-   live requests alone, a request joining a batch of retired ones looked hopeless by itself (a wide verify is paid
+   (docs/adaptive-notebook.md, "Waiting for a guess"), and a later batch tries it once the credit covers it. Both
+   judgements (hopeless, plain for the prior) count every request with a drafter, the retired ones included: judged by
+   its live requests alone, a request joining a batch of retired ones looked hopeless by itself (a wide verify is paid
    by every row) and retired in turn, so a batch that retired once never drafted again. A request not yet
    ``PROBE_AFTER_TOKENS`` in waits with its drafter only for a probe that will run: one the credit, with what the
    steps until then earn, will cover (or while the prior says the batch would draft, on a guessed price); waiting
-   for nothing cost the batch context taps every step (docs/adaptive.md, "Waiting only for a probe the credit will
-   pay"). Nor does anything wait for a length the batch cannot reach (``_within_reach``): a guessed length whose
+   for nothing cost the batch context taps every step (docs/adaptive-notebook.md, "Waiting only for a probe the credit
+   will pay"). Nor does anything wait for a length the batch cannot reach (``_within_reach``): a guessed length whose
    trial costs more than the credit can ever hold (the starting bank) is never tried, and a probe that could only
-   find such lengths teaches the batch nothing; a cold batch with nothing in reach retires at once (docs/adaptive.md,
-   "A trial out of reach").
+   find such lengths teaches the batch nothing; a cold batch with nothing in reach retires at once
+   (docs/adaptive-notebook.md, "A trial out of reach").
 6. **What happened outranks what is predicted.** Before a batch decodes plainly on a prediction, the planner looks
    at the tokens per second its drafting and plain steps at this batch size realised lately
    (:meth:`AutoPlanner.realised_gain`); where drafting clearly won (``CLEAR_WIN``), the batch drafts the best
@@ -76,9 +76,9 @@ FULL_WORTH_GAIN = 1.0
 run at least ``1 + FULL_WORTH_GAIN`` times plain decoding's rate at the batch size (2x), and a share in proportion below
 it (what it would gain over plain decoding, over this): a probe is worth what it could find. Where even a better drafter
 would barely pay, probing every new request cost more than it could win (0.01-0.04 of plain decoding's throughput on the
-simulated CPU and compute-bound GPU at c=4-64, out of domain or untrained; docs/adaptive.md, "Exploration worth what it
-could find"). At 3x, an ONNX Runtime engine at c=1 took longer to probe its way back to drafting after a stretch of hard
-stories (0.82-0.84 of static against 0.86-0.98)."""
+simulated CPU and compute-bound GPU at c=4-64, out of domain or untrained; docs/adaptive-notebook.md, "Exploration worth
+what it could find"). At 3x, an ONNX Runtime engine at c=1 took longer to probe its way back to drafting after a stretch
+of hard stories (0.82-0.84 of static against 0.86-0.98)."""
 
 COLD_PLAIN_STEPS = 8
 """A session's starting exploration bank, in plain steps of one request (a probe at batch 64 on a CPU costs ~14
@@ -105,11 +105,11 @@ PROBE_AFTER_TOKENS = 32
 a response are not like the rest. Recorded from real drafters (``bench/acceptance_traces.py``), the first two
 cycles accepted 0.77 drafts on spec_bench at T=0 against 1.34 over whole responses, and 1.28 against 0.41 on
 stories at T=1; from the 16th token on, 1.43 and 0.39. Probes at a response's start kept a session that had met a
-stretch of hard requests decoding plainly through easy ones (docs/adaptive.md, "Probes where a response begins").
-The next 16 tokens are not typical either: in domain at T=0 cycles starting at tokens 16-31 commit 3.83 tokens
+stretch of hard requests decoding plainly through easy ones (docs/adaptive-notebook.md, "Probes where a response
+begins"). The next 16 tokens are not typical either: in domain at T=0 cycles starting at tokens 16-31 commit 3.83 tokens
 against 4.49 from the 32nd token on (spec_bench: 2.28 against 2.46; ``tools/simulate_policy.py by-start``), and
 probed there, a session that decoded plainly after a hard story kept an estimate below what the stories accepted
-(docs/adaptive.md, "Probes 32 tokens in")."""
+(docs/adaptive-notebook.md, "Probes 32 tokens in")."""
 
 PROBE_ROWS = 4
 """Requests explored in one step at most (those with the least context to take in first): enough to inform the
@@ -121,7 +121,7 @@ RECHECK_GAIN = 1.5
 one or two steps that are no longer recent (``CostModel.plain_settled``): the batch decodes plainly for a step and
 measures it again. A session that starts in a burst of load can take plain decoding's price from one step in it, and
 while the batch drafts nothing measures it again: on the simulated CPU at batch 64 a plain step priced 1.4x its cost
-made k=1 look 1.2-1.3x faster while it ran 0.70x, for the whole run (docs/adaptive.md, "A plain price checked
+made k=1 look 1.2-1.3x faster while it ran 0.70x, for the whole run (docs/adaptive-notebook.md, "A plain price checked
 again"). A predicted win above this is exploited at once: at 2x, the memory-bound GPU cells at c=1 (predicted ~1.9x)
 spent their checks' plain steps where no plausible error in the price could have changed the choice."""
 
@@ -140,8 +140,9 @@ PRIOR_HORIZON_STEPS = 256
 drafts, both limits are the same 256 cycles (~8 requests of 128 tokens at τ 4 and c=1); while it decodes plainly only
 probes add cycles, 2 a request, and the stretch that made it stop drafting leaves after 256 request-steps: 2 requests
 at c=1. A window of cycles alone kept a stretch of hard requests for ~128 requests and decoded the easier ones after it
-plainly too (docs/adaptive.md, "A prior that forgets by tokens served"); a horizon of 1,024 tokens served, for 8
-requests at c=1 (the simulated H200 at c=1 on spec_bench: 0.79 of static k=15; "Probes where a response begins") ..."""
+plainly too (docs/adaptive-notebook.md, "A prior that forgets by tokens served"); a horizon of 1,024 tokens served,
+for 8 requests at c=1 (the simulated H200 at c=1 on spec_bench: 0.79 of static k=15; "Probes where a response
+begins") ..."""
 
 PRIOR_KEEP = 16
 """... keeping its last cycles however old (probes of the last 8 requests): what the session saw last stays its
@@ -151,11 +152,12 @@ PRIOR_BATCH_STEPS = 16
 """... and the first two limits are raised to this many steps of the batch where that is more (a batch of B adds B
 cycles a step while it drafts, and serves B request-steps): at c=64, 256 cycles are four steps, and a wave of 64
 requests that met a hard stretch together replaced the whole estimate in four, and every request retired for good (the
-simulated H200 at 1k-token contexts, out of domain: 0.85 of static k=3; docs/adaptive.md, "A prior that spans steps of
-a large batch"). Below 16 requests nothing changes. The cycles kept however old are at least one per request of the
-batch: at c=64, 16 kept cycles (one accepted draft among them) predicted that an untrained drafter's k=1 would win
-6%, and every new request of the batch was tried on it, each taking in its 32k-token prompt (the simulated H200: 0.93x
-plain decoding against 0.97x; docs/adaptive.md, "A trial is not a probe")."""
+simulated H200 at 1k-token contexts, out of domain: 0.85 of static k=3; docs/adaptive-notebook.md, "A plain price
+checked again, and a prior that spans steps of a large batch"). Below 16 requests nothing changes. The cycles kept
+however old are at least one per request of the batch: at c=64, 16 kept cycles (one accepted draft among them) predicted
+that an untrained drafter's k=1 would win 6%, and every new request of the batch was tried on it, each taking in its
+32k-token prompt (the simulated H200: 0.93x plain decoding against 0.97x; docs/adaptive-notebook.md, "A trial is not a
+probe")."""
 
 HOPEFUL_PSEUDO = 4.0
 """Accepted pseudo-cycles per position in the optimistic estimate that gates exploration."""
@@ -228,19 +230,20 @@ class AutoPlanner:
         ``FULL_WORTH_GAIN``): it is not exploring (its length was measured and predicted to win), and the debt a stretch
         of hard requests ran up kept a session that then retired them from probing new requests for seconds (~120 ms of
         debt at 2% of the time served: ~6 s, while static drafting won 1.45x on an ONNX Runtime engine at c=1;
-        docs/adaptive.md, "Exploit losses lock exploration out"). A trial's loss drains it the same way: its length is
-        predicted to win on the measured prior, only its cost is a guess, and its first step takes in every drafting
-        row's context, a one-off any drafting policy pays (64 rows taking in 32k-token prompts on the simulated H200:
-        490 ms against a 68 ms plain step); charged in full, that debt kept the batch from trying again for ~340 steps
-        while static k=15 won 1.8x (0.60 of it; docs/adaptive.md, "A trial is not a probe"). A trial still starts only
-        when the credit covers its predicted extra time. Where a better drafter would gain 2x or more (a
-        memory-bound GPU at low batch) no debt stays: a debt of the whole bank kept a session at c=1 from probing the
-        easy requests after a hard one for ~360 steps, while static k=15 won 1.2-2.6x on them (docs/adaptive.md, "Debt
-        in proportion to what probes could find"). Where probes could find little, the whole bank's debt stays: with
-        none, a session whose drafter loses kept probing each new request (the simulator's CPU at c=1, out of domain:
-        0.94x plain against 0.98x). A session's warming drafting steps (``CostModel.last_step_warming``) are charged at
-        most what the costs predicted: their excess is the session's one-off warm-up, which any drafting policy pays,
-        and on a small model the first one alone spent the whole starting bank."""
+        docs/adaptive-notebook.md, "Exploit losses lock exploration out"). A trial's loss drains it the same way: its
+        length is predicted to win on the measured prior, only its cost is a guess, and its first step takes in every
+        drafting row's context, a one-off any drafting policy pays (64 rows taking in 32k-token prompts on the simulated
+        H200: 490 ms against a 68 ms plain step); charged in full, that debt kept the batch from trying again for ~340
+        steps while static k=15 won 1.8x (0.60 of it; docs/adaptive-notebook.md, "A trial is not a probe"). A trial
+        still starts only when the credit covers its predicted extra time. Where a better drafter would gain 2x or more
+        (a memory-bound GPU at low batch) no debt stays: a debt of the whole bank kept a session at c=1 from probing the
+        easy requests after a hard one for ~360 steps, while static k=15 won 1.2-2.6x on them
+        (docs/adaptive-notebook.md, "Debt in proportion to what probes could find"). Where probes could find little, the
+        whole bank's debt stays: with none, a session whose drafter loses kept probing each new request (the simulator's
+        CPU at c=1, out of domain: 0.94x plain against 0.98x). A session's warming drafting steps
+        (``CostModel.last_step_warming``) are charged at most what the costs predicted: their excess is the session's
+        one-off warm-up, which any drafting policy pays, and on a small model the first one alone spent the whole
+        starting bank."""
         plan = self._plan
         if plan is None or self.credit_s is None:
             return
@@ -348,8 +351,8 @@ class AutoPlanner:
                             plain_step: float, could_pay: Callable[[], bool]) -> list[int]:
         """The waiting requests whose probe the credit will not cover by the time they are ready (those closest to
         ready first; the credit grows by what the steps until then earn), or that ``_explore`` would not probe at all:
-        keeping their drafters meanwhile hands over context taps every step for nothing (docs/adaptive.md, "Waiting
-        only for a probe the credit will pay"). ``could_pay``: ``_probe_could_pay`` for the batch."""
+        keeping their drafters meanwhile hands over context taps every step for nothing (docs/adaptive-notebook.md,
+        "Waiting only for a probe the credit will pay"). ``could_pay``: ``_probe_could_pay`` for the batch."""
         if not waiting or not could_pay():
             return waiting
         length, cycle_s = self._probe([requests[i].wanted if i == waiting[0] else 0 for i in range(len(requests))],

@@ -210,7 +210,8 @@ class Scheduler:
         deciding. Deciding is the policy's cost, not drafting's: a plan is reused for up to 8 steps, but an
         exploring one is made again every step (0.6 ms on an ONNX Runtime engine at c=1: tools/auto_trace.py), and
         kept in, it priced every drafting step there at 2 ms outside the forwards where steady drafting takes
-        0.5-0.8 ms, after a stretch where only probes drafted (docs/adaptive.md, "Deciding is not drafting")."""
+        0.5-0.8 ms, after a stretch where only probes drafted (docs/adaptive-notebook.md, "Deciding is not
+        drafting")."""
         if report.draft_rows:
             self.costs.record("draft", report.draft_rows, report.draft_width, report.draft_s)
         self.costs.record("verify", len(report.rows), report.verify_width, report.verify_s)

@@ -1,5 +1,5 @@
 """``train --dry-run``: the memory one rank of a distillation run holds, from config.json and safetensors headers
-alone (no weight is read; docs/drafters.md, "Training memory").
+alone (no weight is read; docs/drafters.md, "Memory plan for an 8B target").
 
 A rank holds the frozen target in its checkpoint dtype (bf16 under ``--bf16``), the drafter's float32 weights,
 their gradients and AdamW's two moments (divided over the ranks with FSDP, which also gathers the whole

@@ -97,7 +97,7 @@ def test_the_oracle_and_drafting_win_where_they_should(traces):
 
 
 # ---- the issue's bars, on every regime x concurrency, in domain and with an untrained drafter ----
-# (docs/adaptive.md has the full table: five workloads at seed 0, summarised at seeds 1 and 2)
+# (docs/adaptive.md has the full table: five workloads at seed 0, summarised at seeds 0-5)
 
 CI_WORKLOADS = ("stories_t0", "untrained")
 FIXED_AND_AUTO = ("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto")
@@ -107,8 +107,8 @@ COLD_PROBE_INTAKE = ("a cold session's first probe (4 rows) takes in four 32k-to
                      "decodes plainly for 16-24 steps until 2% of the time served repays the debt, while static k=15 "
                      "drafts from its first step at 3.2-3.3x plain, and in a run of ~3 simulated seconds those steps "
                      "weigh 5-8%; charging a cold probe no more than predicted fixed both cells but left two cells of "
-                     "the docs table below 0.95x plain at seed 0 (docs/adaptive.md, \"Tried and dropped: a cold "
-                     "probe's prompt intake\")")
+                     "the docs table below 0.95x plain at seed 0 (docs/adaptive-notebook.md, \"Tried and dropped: a "
+                     "cold probe's prompt intake\")")
 TABLE_MISSES: dict[tuple[str, int, str, int], str] = {  # (regime, concurrency, workload, seed) -> why auto misses
     ("h200-32k", 4, "stories_t0", 1): COLD_PROBE_INTAKE,
     ("h200-32k", 16, "stories_t0", 1): COLD_PROBE_INTAKE,
@@ -184,8 +184,8 @@ def test_requests_joining_a_batch_of_retired_ones_draft_again_once_the_batch_tur
     "a known limitation: the batch retires on the untrained requests, and the few new requests live at a time cannot "
     "pay for a batch of 64 by themselves, so none is probed and the session decodes plainly for the rest of the run "
     "(1.00x plain against static k=3's 1.47x). Judging the probe on every request with a drafter fixes it (0.99 of "
-    "static k=3) but cost the README's OpenAI server A/B at c=8 1.02-1.09x against 1.13-1.19x (docs/adaptive.md, "
-    "\"Tried and dropped again: a probe judged for the whole batch\")"))
+    "static k=3) but cost the README's OpenAI server A/B at c=8 1.02-1.09x against 1.13-1.19x "
+    "(docs/adaptive-notebook.md, \"Tried and dropped again: a probe judged for the whole batch\")"))
 def test_a_session_notices_when_its_workload_changes(traces):
     """h200-1k, c=64: 128 requests from an untrained drafter's traces, then 384 in domain (static k=3: 1.47x plain
     there): does the batch draft again once the workload turned (``tools/simulate_policy.py switch``)?"""

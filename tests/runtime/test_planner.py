@@ -129,8 +129,8 @@ def test_exploration_costs_at_most_its_bank_plus_a_fraction_of_the_time_served(u
 def test_requests_retire_on_a_clear_loss_and_on_a_win_that_is_only_a_guess():
     """A clear loss retires, a close call does not; nor does a length predicted to win only from the calibrated shape
     (a guess) that the credit cannot pay a trial of yet, however large the win: keeping the drafter while decoding
-    plainly costs context taps every step, which no price shows (docs/adaptive.md, "Waiting for a guess"), and a
-    later request tries the length once the credit covers it."""
+    plainly costs context taps every step, which no price shows (docs/adaptive-notebook.md, "Waiting for a guess"), and
+    a later request tries the length once the credit covers it."""
     costs = measured(dict(verify_base=1e-3, verify_per_token=2e-5, draft_base=1e-3, draft_per_token=2e-5))
     planner = AutoPlanner(costs, prior_with([(15, 0)] * 100))
     planner.plan([request()])
@@ -467,9 +467,9 @@ def test_requests_wait_for_a_guessed_length_only_if_the_credit_can_ever_cover_it
     ONNX Runtime engine, where a 16-row trial step was predicted ~3 ms dearer than a plain one), so where the trial
     costs more, it never starts, and the requests waited with their drafters for nothing, every verify handing over
     context taps: after the c=1 cell, the engine at c=16 decoded plainly at 0.91x plain decoding, 67 of each pass's 254
-    steps with a drafter kept (docs/adaptive.md, "A trial out of reach"). They retire at once there, and a cold batch
-    that no probe can teach (16 rows, drafting priced from the shape alone) retires too; a probe's 4 rows measure a
-    batch of up to 8, so a small batch still explores."""
+    steps with a drafter kept (docs/adaptive-notebook.md, "A trial out of reach"). They retire at once there, and a cold
+    batch that no probe can teach (16 rows, drafting priced from the shape alone) retires too; a probe's 4 rows measure
+    a batch of up to 8, so a small batch still explores."""
     informed = AutoPlanner(costs_guessed_at_16(), prior_with([(15, 12)] * 100))
     informed.credit_s = informed.bank_s = bank_s
     batch = [RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS) for _ in range(16)]
