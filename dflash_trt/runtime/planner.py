@@ -34,7 +34,9 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    many requests arrive; a cold session's exploring included (before the prior is informed, drafting is exploring).
    A session whose drafter went bad keeps sampling new requests, and notices when the workload changes. An informed
    session probes a request once it is ``PROBE_AFTER_TOKENS`` into its response: its first cycles are not like the
-   rest (a cold session probes at once: anything it learns beats nothing).
+   rest (a cold session probes at once: anything it learns beats nothing). While the informed prior holds fewer than
+   ``SURE_CYCLES`` cycles and a win stays plausible on them (``PLAUSIBLE_SE``), a request already probed is probed
+   again: two cycles a request were slow to correct an unlucky estimate while the batch decoded plainly.
 5. **Retire.** When the informed prior says plain decoding for this batch, the live requests stop drafting
    for good (their verify forwards stop computing context taps: on a CPU at batch 16 those cost ~10% of a
    step; on an engine at batch 16, up to 1.5x a plain request's step). They keep their drafter only on a close call:
@@ -158,6 +160,19 @@ however old are at least one per request of the batch: at c=64, 16 kept cycles (
 that an untrained drafter's k=1 would win 6%, and every new request of the batch was tried on it, each taking in its
 32k-token prompt (the simulated H200: 0.93x plain decoding against 0.97x; docs/adaptive-notebook.md, "A trial is not a
 probe")."""
+
+SURE_CYCLES = 64
+"""Cycles the informed prior must hold before its verdict of plain decoding is settled: under this many, a ready request
+that was probed already is probed again while a win stays plausible on the prior's cycles (``PLAUSIBLE_SE``). Two cycles
+a request corrected an unlucky estimate slowly while the batch decoded plainly: on the simulated H200 at T=1 and c=1, a
+cold start on a response whose first 9 positions were rejected kept 1,424 of 3,350 steps plain (0.93 of static k=15;
+docs/adaptive-notebook.md, "Probed again while a win is plausible"). Without this bound, a prior of many cycles that
+still left a win plausible kept probing, and lost 0.07-0.14 of the best fixed choice in three simulated cells ..."""
+
+PLAUSIBLE_SE = 2.0
+"""... and a win is plausible where the prior, each position's accepted count moved up by this many standard deviations
+(``AutoPlanner._plausible``), predicts some length beats plain decoding by ``MARGIN``. Without this test, an untrained
+drafter's requests were probed over and over (0.02-0.03 of plain decoding's throughput in simulated GPU cells)."""
 
 HOPEFUL_PSEUDO = 4.0
 """Accepted pseudo-cycles per position in the optimistic estimate that gates exploration."""
@@ -395,8 +410,10 @@ class AutoPlanner:
         """Drafts for the requests not yet probed, at the length the prior expects to run fastest (``_probe``), if a
         better drafter would pay at this batch (``could_pay``: ``_probe_could_pay`` for the batch) and the credit
         covers a cycle's predicted net cost; else None."""
+        unsettled = cache(lambda: self._unsettled(prior, wanted))  # the probed are probed again while unsettled
         explorers = [i for i, r in enumerate(requests)  # a cold session probes at once: anything beats nothing
-                     if wanted[i] and (r.ready or not self.informed) and not (r.probed and self.informed)]
+                     if wanted[i] and (r.ready or not self.informed)
+                     and not (r.probed and self.informed and not (r.ready and unsettled()))]
         if not explorers:  # (plain decoding is measured at this batch size: ``_decide`` saw to it)
             return None
         explorers = sorted(explorers, key=lambda i: requests[i].context)[:PROBE_ROWS]
@@ -406,6 +423,26 @@ class AutoPlanner:
         probing = [w if i in chosen else 0 for i, w in enumerate(wanted)]
         length, cycle_s = self._probe(probing, prior, plain_step)
         return [min(length, w) for w in probing] if length and cycle_s <= self.credit_s else None
+
+    def _unsettled(self, prior: list[float], wanted: list[int]) -> bool:
+        """Could the informed prior's verdict of plain decoding be wrong for lack of cycles (``SURE_CYCLES``)? Then a
+        ready request already probed is probed again (``_explore``, as the credit covers it). ``wanted``: each row's
+        longest draft, 0 for rows without a drafter."""
+        if len(self.prior.cycles) >= SURE_CYCLES:
+            return False
+        _, rates = auto_length(self.costs, [self._plausible(prior)] * len(wanted), wanted)
+        return any(rate > (1 + MARGIN) * rates[0] for k, rate in rates.items() if k)
+
+    def _plausible(self, prior: list[float]) -> list[float]:
+        """The prior with the accepted count of each position moved up by ``PLAUSIBLE_SE`` standard deviations (of a
+        binomial count at the prior's α), smoothed as ``AcceptanceTracker.conditional`` smooths (a position no cycle
+        reached takes the one before it), at most 1."""
+        passed, reached, alphas = self.prior.passed, self.prior.reached, []
+        for j, alpha in enumerate(prior):
+            toward = alphas[-1] if alphas else 0.5
+            up = passed[j] + PLAUSIBLE_SE * (reached[j] * alpha * (1 - alpha)) ** 0.5
+            alphas.append(min((up + 2 * toward) / (reached[j] + 2), 1.0))
+        return alphas
 
     def _probe_could_pay(self, prior: list[float], wanted: list[int]) -> bool:
         """Would drafting pay at this batch for the rows ``wanted`` if their drafter beat the prior (``_hopeful``), at

@@ -315,8 +315,10 @@ def test_a_stretch_of_hard_requests_does_not_keep_the_easy_ones_after_it_plain()
         assert all(all(lengths) for lengths in served[1:8])  # easy: every step drafts
         assert sum(1 for k in served[13] if k) <= PROBE_CYCLES  # hard: plain decoding after its probe at most
         after = [sum(1 for k in lengths if k) / len(lengths) for lengths in served[16:]]
-        assert after[0] < 0.1  # the first easy one is probed
-        # and from the next one on it drafts: the hard cycles are 256 request-steps old (with the window alone, never)
+        # the first easy one is probed, and probed again while the session prior's few cycles (the hard stretch's
+        # probes) leave a win plausible: it drafts from then on (with the window alone, its many cycles settle plain)
+        assert (after[0] > 0.9) is recovers, after
+        # and so do the next ones: the hard cycles are 256 request-steps old (with the window alone, never)
         assert all(share == 1.0 for share in after[1:]) is recovers, after
 
 
