@@ -85,21 +85,24 @@ def documents_named(name: str) -> list[Path]:
     return sorted(path for folder in SCANNED_DIRS for path in (ROOT / folder).rglob(name))
 
 
-def document_citations() -> list[tuple[str, Path, str, list[str]]]:
-    """(where, document, as cited, section ids) for every ``*.md`` citation in the scanned files."""
-    found = []
+def md_citations():
+    """(where, document, the match, the citing text) for every ``*.md`` citation in the scanned files that names a
+    repository file (or a path that does not exist)."""
     for path in scanned_files():
         text = read_text(path)
         if text is None:
             continue
         for match in MD_PATH.finditer(text):
             doc = resolve_document(match.group(1), path)
-            if doc is None:
-                continue
-            refs = SECTION_REFS.match(text, match.end()).group(0)
-            where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}"
-            found.append((where, doc, match.group(1), re.findall(r"R\d+|\d+(?:\.\d+)*", refs)))
-    return found
+            if doc is not None:
+                yield f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}", doc, match, text
+
+
+def document_citations() -> list[tuple[str, Path, str, list[str]]]:
+    """(where, document, as cited, section ids) for every ``*.md`` citation in the scanned files."""
+    return [(where, doc, match.group(1),
+             re.findall(r"R\d+|\d+(?:\.\d+)*", SECTION_REFS.match(text, match.end()).group(0)))
+            for where, doc, match, text in md_citations()]
 
 
 def test_every_cited_document_exists_and_every_cited_section_is_a_heading():
@@ -128,16 +131,9 @@ def normalised(title: str) -> str:
 def title_citations() -> list[tuple[str, Path, str]]:
     """(where, document, title) for every quoted section title that follows a repository ``*.md`` citation."""
     found = []
-    for path in scanned_files():
-        text = read_text(path)
-        if text is None:
-            continue
-        for match in MD_PATH.finditer(text):
-            doc = resolve_document(match.group(1), path)
-            refs = TITLE_REFS.match(text, match.end())
-            if doc is None or doc.suffix != ".md" or refs is None:
-                continue
-            where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}"
+    for where, doc, match, text in md_citations():
+        refs = TITLE_REFS.match(text, match.end())
+        if doc.suffix == ".md" and refs is not None:
             found.extend((where, doc, normalised(title)) for title in TITLE.findall(refs.group(1)))
     return found
 

@@ -407,9 +407,10 @@ class AutoPlanner:
 
     def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float], plain_step: float,
                  could_pay: Callable[[], bool]) -> list[int] | None:
-        """Drafts for the requests not yet probed, at the length the prior expects to run fastest (``_probe``), if a
-        better drafter would pay at this batch (``could_pay``: ``_probe_could_pay`` for the batch) and the credit
-        covers a cycle's predicted net cost; else None."""
+        """Drafts for the requests not yet probed (or probed, but ready while the prior is unsettled: ``_unsettled``),
+        at the length the prior expects to run fastest (``_probe``), if a better drafter would pay at this batch
+        (``could_pay``: ``_probe_could_pay`` for the batch) and the credit covers a cycle's predicted net cost; else
+        None."""
         unsettled = cache(lambda: self._unsettled(prior, wanted))  # the probed are probed again while unsettled
         explorers = [i for i, r in enumerate(requests)  # a cold session probes at once: anything beats nothing
                      if wanted[i] and (r.ready or not self.informed)
