@@ -88,16 +88,9 @@ def table(out: Path, seed: int, requests_per_slot: int, jobs: int) -> None:
 
 def mixed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], every: int,
           joined: int) -> None:
-    from dflash_trt.bench import simulate
-
     long_and_short = traces.mixed_lengths(workload, every, joined)
     print(f"{regime}, c={concurrency}, {long_and_short.description}, 2 requests per slot: tokens/s over plain decoding")
-    for seed in seeds:
-        cell = simulate.cell(regime, concurrency, long_and_short, seed=seed, requests_per_slot=2,
-                             policies=("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto"))
-        statics = "  ".join(f"{p} {cell.ratio(p):.3f}x" for p in cell.results if p.startswith("static:"))
-        print(f"seed {seed}: {statics}  auto {cell.ratio('auto'):.3f}x ({cell.ratio('auto') / cell.best_fixed:.2f} of "
-              f"the best fixed choice)")
+    _per_seed(regime, concurrency, long_and_short, seeds, requests_per_slot=2)
 
 
 def switch(regime: str, concurrency: int, first: traces.Workload, then: traces.Workload, seeds: list[int]) -> None:
@@ -106,8 +99,16 @@ def switch(regime: str, concurrency: int, first: traces.Workload, then: traces.W
     total = max(simulate.MIN_REQUESTS, 8 * concurrency)  # what a cell of 8 requests per slot serves
     workload = traces.switched(first, then, total // 4, total - total // 4)
     print(f"{regime}, c={concurrency}, {workload.description}: tokens/s over plain decoding")
-    for seed in seeds:  # served from the first request on, so the change comes after the first workload's requests
-        cell = simulate.cell(regime, concurrency, workload, seed=seed, requests_per_slot=8, offset=0,
+    # served from the first request on, so the change comes after the first workload's requests
+    _per_seed(regime, concurrency, workload, seeds, requests_per_slot=8, offset=0)
+
+
+def _per_seed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], **cell_options) -> None:
+    """One line per seed: each static length's and auto's tokens/s over plain decoding (``simulate.cell``)."""
+    from dflash_trt.bench import simulate
+
+    for seed in seeds:
+        cell = simulate.cell(regime, concurrency, workload, seed=seed, **cell_options,
                              policies=("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto"))
         statics = "  ".join(f"{p} {cell.ratio(p):.3f}x" for p in cell.results if p.startswith("static:"))
         print(f"seed {seed}: {statics}  auto {cell.ratio('auto'):.3f}x ({cell.ratio('auto') / cell.best_fixed:.2f} of "
