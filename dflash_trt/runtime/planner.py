@@ -55,9 +55,10 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    (docs/adaptive-notebook.md, "A trial out of reach").
 6. **What happened outranks what is predicted.** Before a batch decodes plainly on a prediction, the planner looks
    at the tokens per second its drafting and plain steps at this batch size realised lately
-   (:meth:`AutoPlanner.realised_gain`); where drafting clearly won (``CLEAR_WIN``), the batch drafts the best
-   predicted length. At c=1 the prior spans a few stories and the costs a few cold steps, and predictions swung
-   between a loss and a 2x win from one request to the next while static drafting won 1.5x.
+   (:meth:`AutoPlanner.realised_gain`); where drafting clearly won (``CLEAR_WIN``) and its last steps did not lose
+   (``REALISED_MIN_STEPS``), the batch drafts the best predicted length. At c=1 the prior spans a few stories and the
+   costs a few cold steps, and predictions swung between a loss and a 2x win from one request to the next while
+   static drafting won 1.5x.
 """
 
 from __future__ import annotations
@@ -127,8 +128,18 @@ made k=1 look 1.2-1.3x faster while it ran 0.70x, for the whole run (docs/adapti
 again"). A predicted win above this is exploited at once: at 2x, the memory-bound GPU cells at c=1 (predicted ~1.9x)
 spent their checks' plain steps where no plausible error in the price could have changed the choice."""
 
-REALISED_STEPS = 256
-"""Steps of each kind (drafting, plain) per batch size the realised rates are taken over (see ``realised_gain``) ..."""
+REALISED_STEPS = 1024
+"""Steps of each kind (drafting, plain) per batch size the realised rates are taken over (see ``realised_gain``), once
+there are ``REALISED_MIN_STEPS`` of each. Over 256 steps, one hard story at c=1 on an ONNX Runtime engine (69 cycles,
+most of them committing 1 token) brought drafting's realised rate down to plain decoding's, while static drafting won
+1.4x over the pass; over 1,024 it stayed at 1.2-1.5x (docs/adaptive-notebook.md, "One hard story at c=1") ..."""
+
+REALISED_MIN_STEPS = 256
+"""... the steps of each kind a batch size needs before its realised rates count, and the recent steps that must not
+have lost: where drafting's last ``REALISED_MIN_STEPS`` steps realised less than plain decoding's rate by more than
+``MARGIN``, what happened before them does not overrule a prediction of plain decoding. Without that, a stretch of 8
+hard requests at c=1 after 8 easy ones was drafted through for 4 of them once the easy ones' steps outweighed it
+(0.68x plain decoding each) ..."""
 
 CLEAR_WIN = 1.2
 """... and how much faster than plain decoding drafting must have run at a batch size, realised, for the batch to draft
@@ -276,17 +287,18 @@ class AutoPlanner:
             self.credit_s -= charge
         self.credit_s = min(self.credit_s, self.bank_s)
 
-    def realised_gain(self, batch: int) -> float | None:
-        """Tokens per second the session's last ``REALISED_STEPS`` drafting steps at this batch size committed, over
-        its last plain steps' (each step's time over the load it ran at, ``CostModel.load``, so that a burst of load
-        during either kind does not decide); None until both kinds ran that many. Realised, not predicted: every cost
-        of drafting is in it (a request's first draft taking in its prompt, cold steps after a stretch of plain ones),
-        and at c=1 it spans 7-8 requests where the prior's 256 cycles span 2-3 (over 32 steps, one story, it swung
-        between 0.4x and 3.5x in one run)."""
+    def realised_gain(self, batch: int, last: int = REALISED_STEPS) -> float | None:
+        """Tokens per second the session's ``last`` drafting steps at this batch size committed (up to
+        ``REALISED_STEPS``), over its last plain steps' (each step's time over the load it ran at, ``CostModel.load``,
+        so that a burst of load during either kind does not decide); None until both kinds ran
+        ``REALISED_MIN_STEPS``. Realised, not predicted: every cost of drafting is in it (a request's first draft
+        taking in its prompt, cold steps after a stretch of plain ones), and at c=1 it spans some 30 requests where the
+        prior's 256 cycles span 2-8 (over 32 steps, one story, it swung between 0.4x and 3.5x in one run; over 256, one
+        hard story took it to plain decoding's rate while static drafting won 1.4x)."""
         drafting, plain = self._realised.get((batch, True)), self._realised.get((batch, False))
-        if not drafting or not plain or min(len(drafting), len(plain)) < REALISED_STEPS:
+        if not drafting or not plain or min(len(drafting), len(plain)) < REALISED_MIN_STEPS:
             return None
-        return _rate(drafting) / _rate(plain)
+        return _rate(list(drafting)[-last:]) / _rate(list(plain)[-last:])
 
     def plan(self, requests: list[RequestMemory]) -> Plan:
         """This step's draft length per request."""
@@ -338,8 +350,9 @@ class AutoPlanner:
                 if 0 < self._trial < TRIAL_STEPS or self.credit_s > self._extra(batch, len(live), length, plain_step):
                     self._trial += 1
                     return Plan(lengths, "trial", plain_step)
-            gain = self.realised_gain(batch)
-            if gain is not None and gain >= CLEAR_WIN:  # the prediction says plain: what happened says otherwise
+            gain = self.realised_gain(batch)  # the prediction says plain: what happened says otherwise (if its last
+            # steps did not lose: ``REALISED_MIN_STEPS``)
+            if gain is not None and gain >= CLEAR_WIN and self.realised_gain(batch, REALISED_MIN_STEPS) >= 1 - MARGIN:
                 length = max((k for k in rates if k), key=rates.get)
                 self._trial = 0
                 return Plan([min(length, w) for w in wanted], "exploit", plain_step)
