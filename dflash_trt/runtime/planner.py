@@ -139,7 +139,7 @@ REALISED_MIN_STEPS = 256
 have lost: where drafting's last ``REALISED_MIN_STEPS`` steps realised less than plain decoding's rate by more than
 ``MARGIN``, what happened before them does not overrule a prediction of plain decoding. Without that, a stretch of 8
 hard requests at c=1 after 8 easy ones was drafted through for 4 of them once the easy ones' steps outweighed it
-(0.68x plain decoding each) ..."""
+(2 tokens a cycle: a loss) ..."""
 
 CLEAR_WIN = 1.2
 """... and how much faster than plain decoding drafting must have run at a batch size, realised, for the batch to draft
