@@ -451,12 +451,9 @@ class AutoPlanner:
         """The prior with the accepted count of each position moved up by ``PLAUSIBLE_SE`` standard deviations (of a
         binomial count at the prior's α), smoothed as ``AcceptanceTracker.conditional`` smooths (a position no cycle
         reached takes the one before it), at most 1."""
-        passed, reached, alphas = self.prior.passed, self.prior.reached, []
-        for j, alpha in enumerate(prior):
-            toward = alphas[-1] if alphas else 0.5
-            up = passed[j] + PLAUSIBLE_SE * (reached[j] * alpha * (1 - alpha)) ** 0.5
-            alphas.append(min((up + 2 * toward) / (reached[j] + 2), 1.0))
-        return alphas
+        reached = self.prior.reached
+        return self.prior.conditional(extra=[PLAUSIBLE_SE * (reached[j] * alpha * (1 - alpha)) ** 0.5
+                                             for j, alpha in enumerate(prior)])
 
     def _probe_could_pay(self, prior: list[float], wanted: list[int]) -> bool:
         """Would drafting pay at this batch for the rows ``wanted`` if their drafter beat the prior (``_hopeful``), at

@@ -100,15 +100,18 @@ class AcceptanceTracker:
     def acceptance_rate(self) -> float | None:
         return self.accepted / self.drafted if self.drafted else None
 
-    def conditional(self, prior: list[float] | None = None, weight: float = 2.0) -> list[float]:
+    def conditional(self, prior: list[float] | None = None, weight: float = 2.0,
+                    extra: list[float] | None = None) -> list[float]:
         """α_j = P(position j accepted | positions < j accepted), smoothed toward ``prior`` with ``weight``
         pseudo-cycles. Without a prior, position j is smoothed toward the estimate of position j-1 (0.5 for
         the first): acceptance changes smoothly with depth, so positions never drafted yet are not assumed
-        worse than the deepest one measured."""
+        worse than the deepest one measured. ``extra``: accepted counts added per position (an optimistic
+        reading of the same cycles), each α then at most 1."""
         alphas: list[float] = []
         for j in range(self.positions):
             toward = prior[j] if prior is not None else (alphas[-1] if alphas else 0.5)
-            alphas.append((self.passed[j] + weight * toward) / (self.reached[j] + weight))
+            passed = self.passed[j] + (extra[j] if extra is not None else 0.0)
+            alphas.append(min((passed + weight * toward) / (self.reached[j] + weight), 1.0))
         return alphas
 
 
