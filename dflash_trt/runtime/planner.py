@@ -28,10 +28,14 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    *exploration credit* covers the step's predicted net cost. The credit is time: a session starts with
    ``COLD_PLAIN_STEPS`` plain steps' worth (at most ``COLD_CAP_S`` seconds), and every step served adds
    ``EXPLORE_FRACTION`` of its time, up to that starting bank (a share of it where such a better drafter would gain
-   less than 2x at this batch: ``FULL_WORTH_GAIN``).
+   less than 2x at this batch: ``FULL_WORTH_GAIN``). A batch larger than any the session served (sizes within a
+   factor of two are one: 1, 2, 3-4, 5-8, ..) starts with the bank again: its lengths' costs are guesses, and a credit
+   spent at c=1 kept the first wave of a server's c=8 traffic waiting to try them (docs/adaptive-notebook.md, "A bank
+   for a larger batch").
    An exploration is charged what it cost: its measured time less the plain-decoding time of the tokens it
-   committed. So exploration costs at most the starting bank plus ``EXPLORE_FRACTION`` of the time served, however
-   many requests arrive; a cold session's exploring included (before the prior is informed, drafting is exploring).
+   committed. So exploration costs at most a starting bank per batch size (7 up to 64 requests) plus
+   ``EXPLORE_FRACTION`` of the time served, however many requests arrive; a cold session's exploring included (before
+   the prior is informed, drafting is exploring).
    A session whose drafter went bad keeps sampling new requests, and notices when the workload changes. An informed
    session probes a request once it is ``PROBE_AFTER_TOKENS`` into its response: its first cycles are not like the
    rest (a cold session probes at once: anything it learns beats nothing). While the informed prior holds fewer than
@@ -236,6 +240,7 @@ class AutoPlanner:
         self._batch: list[RequestMemory] = []  # the requests ``_plan`` was made for (held: ids stay theirs)
         self._age = 0  # steps ``_plan`` has served
         self._trial = 0  # consecutive steps of trying a length whose cost is a guess
+        self._largest: int | None = None  # the largest batch planned for, as ``(batch - 1).bit_length()``
         self._worth = 1.0  # share of ``EXPLORE_FRACTION`` the time served earns (``FULL_WORTH_GAIN``; 1 until informed)
         # (batch size, drafting) -> its last steps' (tokens committed, seconds over the load they ran at)
         self._realised: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
@@ -319,6 +324,11 @@ class AutoPlanner:
         plain_step = self.costs.step(batch, 0, 0)
         if self.credit_s is None:  # the first plan: the starting bank, in plain steps of one request
             self.credit_s = self.bank_s = min(COLD_PLAIN_STEPS * self.costs.step(1, 0, 0), COLD_CAP_S)
+        size = (batch - 1).bit_length()  # sizes within a factor of two are one: 1, 2, 3-4, 5-8, ..
+        if self._largest is None or size > self._largest:  # a batch larger than any served starts with a bank
+            if self._largest is not None:
+                self.credit_s = max(self.credit_s, self.bank_s)
+            self._largest = size
         live = [i for i, r in enumerate(requests) if not r.retired and r.wanted > 0]
         if not live:
             return Plan([0] * batch, "plain", plain_step)

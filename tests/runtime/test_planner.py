@@ -133,7 +133,7 @@ def test_requests_retire_on_a_clear_loss_and_on_a_win_that_is_only_a_guess():
     a later request tries the length once the credit covers it."""
     costs = measured(dict(verify_base=1e-3, verify_per_token=2e-5, draft_base=1e-3, draft_per_token=2e-5))
     planner = AutoPlanner(costs, prior_with([(15, 0)] * 100))
-    planner.plan([request()])
+    planner.plan([request() for _ in range(4)])  # (the batch size served: no new starting bank for it below)
     planner.credit_s = 0.0  # no exploration credit: only the retirement rule is at work
     batch = [request() for _ in range(4)]
     for r in batch:
@@ -141,7 +141,7 @@ def test_requests_retire_on_a_clear_loss_and_on_a_win_that_is_only_a_guess():
     plan = planner.plan(batch)
     assert plan.lengths == [0] * 4 and all(r.retired for r in batch)
     close = AutoPlanner(measured(GPU), prior_with([(1, 0)] * 70 + [(1, 1)] * 30))  # a cycle pays what it costs
-    close.plan([request(1)])
+    close.plan([request(1) for _ in range(4)])
     close.credit_s = 0.0
     near = [request(1) for _ in range(4)]
     for r in near:
@@ -526,6 +526,26 @@ def test_requests_wait_for_a_guessed_length_only_if_the_credit_can_ever_cover_it
     small = AutoPlanner(costs_guessed_at_16(), AcceptanceTracker(256, 64))
     small.credit_s = small.bank_s = bank_s
     assert small.plan([request() for _ in range(4)]).reason == "explore"
+
+
+def test_a_batch_larger_than_any_the_session_served_starts_its_trials_with_a_bank():
+    """A session that spent its credit at one batch size (the last steps of a c=1 stretch lost) meets a larger one,
+    where drafting is priced from the calibrated shape alone: the trial runs at once, on a starting bank of its own (the
+    OpenAI server at c=8 after c=1 had waited ~40 steps for 2% of the time served to cover it, and a quarter of the
+    cell's requests decoded plainly meanwhile while static drafting won: docs/adaptive-notebook.md, "A bank for a
+    larger batch"). Sizes within a factor of two are one size (``(batch - 1).bit_length()``): a batch that shrinks from
+    16 to 9 gets no new bank, nor one back at a size it served."""
+    planner = AutoPlanner(costs_guessed_at_16(), prior_with([(15, 12)] * 100))
+    ready = lambda: RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS)  # noqa: E731
+    for _ in range(TRIAL_STEPS):
+        assert planner.plan([ready()]).reason == "trial"
+    planner.credit_s = 0.0  # spent at batch 1
+    for _ in range(TRIAL_STEPS):
+        assert planner.plan([ready() for _ in range(16)]).reason == "trial"
+    for batch in (16, 9, 1):  # sizes it served
+        planner.credit_s = 0.0
+        plan = planner.plan([ready() for _ in range(batch)])
+        assert plan.reason != "trial" and plan.lengths == [0] * batch, batch
 
 
 def test_traffic_slower_than_the_calibration_does_not_make_drafting_look_cheaper():
