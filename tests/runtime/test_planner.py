@@ -25,6 +25,11 @@ def request(wanted: int = 15) -> RequestMemory:
     return RequestMemory(wanted, AcceptanceTracker(16, wanted))
 
 
+def waiting_request() -> RequestMemory:
+    """A new request: an informed session probes it once it is ``PROBE_AFTER_TOKENS`` into its response."""
+    return RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS)
+
+
 def prior_with(cycles: list[tuple[int, int]]) -> AcceptanceTracker:
     prior = AcceptanceTracker(256, 64)
     for drafted, accepted in cycles:
@@ -460,7 +465,7 @@ def test_an_informed_session_probes_a_request_once_it_is_into_its_response_and_a
     assert informed.plan([new]).lengths == [0] and not new.retired
     new.generated = PROBE_AFTER_TOKENS
     assert AutoPlanner(measured(GPU), prior_with([(15, 0)] * 100)).plan([new]).reason == "explore"
-    cold = RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS)
+    cold = waiting_request()
     assert AutoPlanner(measured(GPU), AcceptanceTracker(256, 64)).plan([cold]).reason == "explore"
 
 
@@ -468,9 +473,6 @@ def test_a_request_keeps_its_drafter_while_it_waits_only_if_the_credit_will_pay_
     """While a request waits to be probed, every verify of its batch hands over context taps for its drafter (11 us a
     row on an ONNX Runtime engine). Where the prior says plain decoding and the credit will not cover a probe by the
     time the request is ready, it would retire then unprobed: it retires at once."""
-    def waiting_request() -> RequestMemory:
-        return RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS)
-
     solvent = AutoPlanner(measured(GPU), prior_with([(15, 0)] * 100))  # the drafter did badly lately
     kept = waiting_request()
     assert solvent.plan([kept]).lengths == [0] and not kept.retired
@@ -512,7 +514,7 @@ def test_requests_wait_for_a_guessed_length_only_if_the_credit_can_ever_cover_it
     a batch of up to 8, so a small batch still explores."""
     informed = AutoPlanner(costs_guessed_at_16(), prior_with([(15, 12)] * 100))
     informed.credit_s = informed.bank_s = bank_s
-    batch = [RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS) for _ in range(16)]
+    batch = [waiting_request() for _ in range(16)]
     plan = informed.plan(batch)
     if reachable:
         assert plan.reason == "trial" and not any(r.retired for r in batch)
@@ -536,15 +538,14 @@ def test_a_batch_larger_than_any_the_session_served_starts_its_trials_with_a_ban
     larger batch"). Sizes within a factor of two are one size (``(batch - 1).bit_length()``): a batch that shrinks from
     16 to 9 gets no new bank, nor one back at a size it served."""
     planner = AutoPlanner(costs_guessed_at_16(), prior_with([(15, 12)] * 100))
-    ready = lambda: RequestMemory(15, AcceptanceTracker(16, 15), probe_after=PROBE_AFTER_TOKENS)  # noqa: E731
     for _ in range(TRIAL_STEPS):
-        assert planner.plan([ready()]).reason == "trial"
+        assert planner.plan([waiting_request()]).reason == "trial"
     planner.credit_s = 0.0  # spent at batch 1
     for _ in range(TRIAL_STEPS):
-        assert planner.plan([ready() for _ in range(16)]).reason == "trial"
+        assert planner.plan([waiting_request() for _ in range(16)]).reason == "trial"
     for batch in (16, 9, 1):  # sizes it served
         planner.credit_s = 0.0
-        plan = planner.plan([ready() for _ in range(batch)])
+        plan = planner.plan([waiting_request() for _ in range(batch)])
         assert plan.reason != "trial" and plan.lengths == [0] * batch, batch
 
 
