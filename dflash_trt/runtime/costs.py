@@ -271,8 +271,7 @@ class CostModel:
 
     def _near_point(self, kind: str, batch: int, width: int) -> tuple[int, float] | None:
         """The batch size whose measurements price this forward, and its cost there: this one if traffic measured it
-        lately, else the nearest within a factor of two that it did, unless forwards measured at this size since say
-        that price was taken under load (``_dearer_than_newer``); None if none."""
+        lately, else the nearest within a factor of two that it did; None if none."""
         own = self._own((kind, batch, width))
         if own is not None:
             return batch, own
@@ -281,28 +280,7 @@ class CostModel:
         if not measured:
             return None
         near = min(measured, key=lambda b: (abs(b - batch), -b))
-        if width > 1 and self._dearer_than_newer(kind, batch, width, near, measured[near]):
-            return None
         return near, measured[near]
-
-    def _dearer_than_newer(self, kind: str, batch: int, width: int, near: int, cost: float) -> bool:
-        """Is a forward priced from another batch size (``near``, where it cost ``cost``) dearer, over what the shape
-        says, than ``_DEARER`` times a forward of another width measured at this batch size since? Then that price was
-        likely taken under load the newer measurements did not meet, and ``_near_point`` does not take it here: the
-        forward is priced from the shape (a guess), and the policy tries it at this batch size. On an OpenAI server at
-        c=1, k=15 was priced at batch 1 from its trial at batch 2 in the session's slow first steps, at 1.3-1.4x a k=7
-        step where it costs 1.05x, and k=7 was drafted for the whole run: 0.80-0.84 of static k=15's speed-up
-        (docs/adaptive-notebook.md, "A price from another batch size")."""
-        relative = cost / self._shape(kind, near, width)
-        since = self._last[(kind, near, width)]
-        for (other_kind, other_width), batches in self._batches.items():
-            point = (kind, batch, other_width)
-            if (other_kind == kind and other_width not in (1, width) and batch in batches
-                    and self._last.get(point, since) > since and len(self._samples.get(point, ())) >= _TRUSTED
-                    and (price := self._own(point)) is not None
-                    and relative > _DEARER * price / self._shape(kind, batch, other_width)):
-                return True
-        return False
 
     def plain_settled(self, batch: int) -> bool:
         """Whether plain decoding's price at about this batch size can stand: measured lately (``known``) and either

@@ -186,40 +186,6 @@ def test_a_wide_verify_measured_fewer_than_three_times_far_above_the_shapes_gues
     assert costs._near("verify", 4, 16) == pytest.approx(0.95 * _DEARER * costs.calibrated["verify"][(4, 16)])
 
 
-@pytest.mark.parametrize("slowdown, priced_from_batch_2", [(1.4, False), (1.1, True)])
-def test_a_price_from_another_batch_size_stands_only_while_this_sizes_newer_forwards_agree(slowdown: float,
-                                                                                          priced_from_batch_2: bool):
-    """On an OpenAI server at c=1, k=15 was priced at batch 1 from its trial at batch 2 in the session's slow first
-    steps, 1.3-1.4x a k=7 step where it costs 1.05x, and k=7 was drafted for the whole run. A forward priced from a
-    batch size within a factor of two is priced from the shape instead (a guess: tried at this size) while a forward of
-    another width measured at this size since says it is more than ``_DEARER`` times dearer than the shape allows;
-    measured at this size, its own price stands, however dear."""
-    costs = grid()
-
-    def drafting_step(batch: int, width: int, slowdown: float) -> None:
-        costs.record("verify", batch, width, slowdown * costs._shape("verify", batch, width))
-        costs.record("draft", batch, width, slowdown * costs._shape("draft", batch, width))
-        costs.record_overhead(True, batch, 1e-4)
-
-    for batch in (1, 2):
-        for _ in range(3):
-            costs.record("verify", batch, 1, costs._shape("verify", batch, 1))
-            costs.record_overhead(False, batch, 1e-4)
-    for _ in range(3):
-        drafting_step(2, 16, slowdown)  # a trial at batch 2
-    assert costs.known(1, 1, 15)  # priced at batch 1 from batch 2's
-    for _ in range(3):
-        drafting_step(1, 4, 1.0)  # batch 1 drafts k=3 since, at the shape's cost
-    assert costs.known(1, 1, 15) == priced_from_batch_2
-    if not priced_from_batch_2:
-        assert costs.verify(1, 16) == pytest.approx(costs.calibrated["verify"][(1, 16)])  # the shape's guess
-        assert costs.draft(1, 16) == pytest.approx(costs.calibrated["draft"][(1, 16)])
-        for _ in range(3):
-            drafting_step(1, 16, slowdown)  # tried at batch 1, and as dear there
-        assert costs.known(1, 1, 15)
-        assert costs.verify(1, 16) == pytest.approx(slowdown * costs.calibrated["verify"][(1, 16)])
-
-
 def test_forwards_measured_during_a_burst_of_load_compare_with_plain_steps_at_the_load_of_now():
     """Drafting measured while the machine ran 3x slower, plain decoding measured since it recovered: drafting
     is priced at today's load, not the burst's (else plain decoding wins until the burst's samples expire)."""
