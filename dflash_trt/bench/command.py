@@ -63,7 +63,8 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for report.json/.md and plots.")
 @click.option("--endpoint", "endpoints", multiple=True, help="Measure a live OpenAI-compatible server at this URL "
-              "instead (twice: an A/B of two servers, e.g. `dflash-trt serve --speculation off` and `auto`).")
+              "instead (repeated: servers side by side, passes interleaved, e.g. `dflash-trt serve --speculation off`, "
+              "`static` and `auto`; up to 8).")
 @click.option("--request-rate", default="", help="With --endpoint: comma-separated Poisson arrival rates (req/s), "
               "measured besides the --concurrency levels.")
 @click.option("--goodput", default=None, help="With --endpoint: latency goals for goodput, e.g. ttft:500,tpot:50 (ms).")

@@ -1,5 +1,5 @@
 """``dflash-trt bench --endpoint URL``: a load generator that measures a live OpenAI-compatible server from the
-client side (as ``vllm bench serve`` does), and the A/B of two servers in one report.
+client side (as ``vllm bench serve`` does), and the A/B of up to ``MAX_ENDPOINTS`` servers in one report.
 
 Load is either a fixed concurrency (that many requests in flight, the next sent as one finishes) or a
 Poisson arrival rate (exponential gaps, seeded). Every request streams ``/v1/completions`` with
@@ -13,7 +13,9 @@ Poisson arrival rate (exponential gaps, seeded). Every request streams ``/v1/com
   tokens committed per cycle over all of the endpoint's requests.
 
 The A/B: each cell (dataset, temperature, load) runs the same requests on every endpoint, the endpoint order
-alternating over ``repeats`` passes (A B, B A, ...), so drift on the machine falls on both. The baseline is the
+alternating over ``repeats`` passes (A B C, C B A, ...), so drift on the machine falls on all of them: a plain, a
+static and an adaptive server measured together give adaptive over static from one run, where two A/Bs of a pair of
+servers each compare runs minutes apart (this machine's speed drifts by up to ~30% within an hour). The baseline is the
 endpoint whose server reports ``speculation: off`` (``GET /v1/models``), else the first one given. Conditions
 come from the servers themselves: model id, speculation mode, block length, batch and queue limits.
 """
@@ -36,13 +38,16 @@ from dflash_trt.bench.metrics import distribution
 from dflash_trt.errors import BackendUnavailableError, RequestError
 
 GOALS = ("ttft", "tpot", "e2e")
+MAX_ENDPOINTS = 8
+"""Servers one report compares (plain, static and adaptive servers side by side: each ratio from the same run)."""
 
 
 class EndpointBenchConfig(BaseModel):
     """What to measure; every figure of the report carries these conditions."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    endpoints: tuple[str, ...] = Field(min_length=1, max_length=2, description="Base URLs (http://host:port).")
+    endpoints: tuple[str, ...] = Field(min_length=1, max_length=MAX_ENDPOINTS, description="Base URLs "
+                                       "(http://host:port), measured in one run with their passes interleaved.")
     datasets: tuple[str, ...] = Field(default=("tinystories",), description="Shipped prompt sets.")
     prompts_file: Path | None = Field(default=None, description="The user's own request set (JSONL or .txt).")
     num_prompts: PositiveInt = Field(default=16, description="Prompts taken from the head of each set.")

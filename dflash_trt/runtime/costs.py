@@ -7,7 +7,8 @@ Two sources, read in this order:
    measured within the last ``_STALE_STEPS`` steps costs the least of its measurements while it has fewer than
    ``_TRUSTED``, then the median of its last ``_WINDOW``: one step stalled by a GC pause or a busy core does not
    move it, and a measurement taken during a burst of load expires instead of pricing that point at the burst's
-   cost for good.
+   cost for good. Once, a while into the session, a forward of a drafting step last measured in its first steps
+   (which can run slower than the rest) is forgotten (``STARTUP_STEPS``).
 2. **The shape of the costs** (a short calibration at start-up, ``runtime/calibration.py``, or older traffic):
    interpolated linearly in batch and width, and anchored on what plain decoding costs now. A verify of ``w``
    tokens per row costs the plain step measured lately at its batch size plus what the shape says ``w - 1``
@@ -69,6 +70,16 @@ _STALE_STEPS = 1024
 load they ran at, so expiry is not what forgets a burst; it forgets prices the policy stopped testing. At 256 steps,
 two plain requests of 127 tokens between two drafting ones (a benchmark's waves at c=1; mixed traffic) expired
 every drafting price, so each request's drafting was a guess again and it retired."""
+STARTUP_STEPS = 128
+"""A session's first steps, which can run slower than the rest: on this machine an OpenAI server's first ~40 steps at
+batch 1 after its first requests ran 15-25% slower than later ones, whatever came before (idle seconds, other
+requests), and the load reading cannot see it, since no point has a usual time yet. Once, ``2 * STARTUP_STEPS`` steps
+in, a forward of a drafting step last measured within them (the policy stopped using it) is forgotten: priced as a
+guess again, so tried again where the session's estimate predicts it to win (:meth:`CostModel.record_overhead`). Kept,
+a k=15 price taken then held the server's c=1 session at k=7 for most of a run; forgotten, the server's c=1 cell
+reached 0.9 of static in 23 of 26 rounds against 13 of 26. Where a start-up price was right, its trial is what
+forgetting it costs (the policy simulator: the same 13 cells of 600 below the bar; docs/adaptive-notebook.md, "Start-up
+prices taken again")."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,8 @@ class CostModel:
         step is one. Kept, they priced steady-state drafting at c=1 too dear and requests retired where static
         drafting won 1.4-1.6x (docs/adaptive-notebook.md, "What happened at c=1")."""
         self._steps += 1
+        if self._steps == 2 * STARTUP_STEPS:
+            self._forget_startup_prices()
         self.last_step_warming = drafting and self._drafting_steps < self.warming_steps
         if self.last_step_warming:
             self._drafting_steps += 1
@@ -170,6 +183,14 @@ class CostModel:
             return
         self._overhead_batches[drafting].add(batch)
         self._measured(("overhead", drafting, batch), seconds)
+
+    def _forget_startup_prices(self) -> None:
+        """Forget the forwards of drafting steps (draft forwards, verifies wider than one token) last measured in the
+        session's first ``STARTUP_STEPS`` steps (see there); plain verifies and step overheads are measured again as
+        a matter of course."""
+        for point, step in list(self._last.items()):
+            if step <= STARTUP_STEPS and (point[0] == "draft" or (point[0] == "verify" and point[2] > 1)):
+                del self._last[point]  # not fresh: ``_own`` prices it no more, its next measurement starts anew
 
     def _measured(self, point: tuple, seconds: float) -> float | None:
         """Keep one measurement; return the point's estimate. A plain verify is kept as measured and tells how

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_trt.runtime.costs import _DEARER, _RECHECK_STEPS, _STALE_STEPS, _TRUSTED, WARMING_STEPS, CostModel
+from dflash_trt.runtime.costs import (_DEARER, _RECHECK_STEPS, _STALE_STEPS, _TRUSTED, STARTUP_STEPS, WARMING_STEPS,
+                                      CostModel)
 
 
 def overhead(costs: CostModel, drafting: bool, batch: int, seconds: float) -> None:
@@ -53,6 +54,37 @@ def test_a_points_first_forward_in_traffic_is_a_warm_up_that_prices_nothing():
     assert warming.verify(1, 1) == pytest.approx(3.2e-3) and warming.known(1, 0, 0)
     warming.record("draft", 1, 16, 9e-3)  # every point warms once, the first of each kind and shape
     assert warming.draft(1, 16) == pytest.approx(5e-3)
+
+
+def test_drafting_forwards_last_measured_in_a_sessions_start_up_are_forgotten_once():
+    """An OpenAI server's first steps ran ~20% slower than its later ones; k=15 measured then, and not again, priced
+    it above k=7 for most of a run. Once, ``2 * STARTUP_STEPS`` steps in, such a forward is a guess again; one
+    measured since keeps its price, as do plain verifies, and nothing is forgotten again after that."""
+    costs = grid()
+    slow = {width: 1.3 * costs.calibrated["verify"][(1, width)] for width in (1, 4, 16)}
+    for width in (4, 16):  # the start-up: every forward slow
+        for _ in range(_TRUSTED):
+            costs.record("verify", 1, width, slow[width])
+            costs.record("draft", 1, width, 2 * slow[width])
+            costs.record("verify", 1, 1, slow[1])
+            costs.record_overhead(True, 1, 2e-4)
+    assert costs.known(1, 1, 15) and costs.verify(1, 16) == pytest.approx(slow[16])
+    for _ in range(2 * STARTUP_STEPS - 1 - 2 * _TRUSTED):  # k=3 drafted after the start-up, up to the step before
+        costs.record("verify", 1, 4, costs.calibrated["verify"][(1, 4)])
+        costs.record("draft", 1, 4, 2 * costs.calibrated["verify"][(1, 4)])
+        costs.record_overhead(True, 1, 2e-4)
+    assert costs.known(1, 1, 15)  # still the start-up's price, one step before it is forgotten
+    costs.record_overhead(True, 1, 2e-4)
+    assert not costs.known(1, 1, 15)  # a guess: the policy tries it where it is predicted to win
+    assert costs.verify(1, 16) < slow[16] and costs.draft(1, 16) < 2 * slow[16]
+    assert costs.known(1, 1, 3) and costs.verify(1, 4) == pytest.approx(costs.calibrated["verify"][(1, 4)])
+    assert costs.known(1, 0, 0)  # plain decoding keeps its price
+    wide = costs.calibrated["verify"][(1, 16)]
+    costs.record("verify", 1, 16, wide)  # its trial: the measurement prices the point from now on
+    costs.record("draft", 1, 16, 2 * wide)
+    for _ in range(4 * STARTUP_STEPS):
+        costs.record_overhead(True, 1, 2e-4)
+    assert costs.known(1, 1, 15) and costs.verify(1, 16) == pytest.approx(wide)  # forgotten once only
 
 
 def test_one_stalled_step_does_not_move_the_estimate():
@@ -318,7 +350,8 @@ def test_points_not_measured_lately_fall_back_to_their_calibration_at_the_curren
     """A burst of load while drafting, then only plain steps: what drafting costs must not stay at the burst's
     price (nothing would ever measure it again)."""
     costs = grid()
-    overhead(costs, False, 1, 2e-4)
+    for _ in range(2 * STARTUP_STEPS):  # past the session's start-up (its prices are forgotten once: tested below)
+        costs.record_overhead(False, 1, 2e-4)
     for _ in range(3):
         costs.record("verify", 1, 1, costs.calibrated["verify"][(1, 1)])
         costs.record("verify", 1, 16, 3 * costs.calibrated["verify"][(1, 16)])  # during the burst
