@@ -350,7 +350,7 @@ def test_points_not_measured_lately_fall_back_to_their_calibration_at_the_curren
     """A burst of load while drafting, then only plain steps: what drafting costs must not stay at the burst's
     price (nothing would ever measure it again)."""
     costs = grid()
-    for _ in range(2 * STARTUP_STEPS):  # past the session's start-up (its prices are forgotten once: tested below)
+    for _ in range(2 * STARTUP_STEPS):  # past the session's start-up (whose prices are forgotten once: tested above)
         costs.record_overhead(False, 1, 2e-4)
     for _ in range(3):
         costs.record("verify", 1, 1, costs.calibrated["verify"][(1, 1)])
