@@ -15,9 +15,10 @@ Poisson arrival rate (exponential gaps, seeded). Every request streams ``/v1/com
 The A/B: each cell (dataset, temperature, load) runs the same requests on every endpoint, the endpoint order
 alternating over ``repeats`` passes (A B C, C B A, ...), so drift on the machine falls on all of them: a plain, a
 static and an adaptive server measured together give adaptive over static from one run, where two A/Bs of a pair of
-servers each compare runs minutes apart (this machine's speed drifts by up to ~30% within an hour). The baseline is the
-endpoint whose server reports ``speculation: off`` (``GET /v1/models``), else the first one given. Conditions
-come from the servers themselves: model id, speculation mode, block length, batch and queue limits.
+servers compare runs minutes apart (a shared machine's speed can drift by tens of percent within an hour; ~30% on the
+2-core machine of docs/adaptive.md). The baseline is the endpoint whose server reports ``speculation: off``
+(``GET /v1/models``), else the first one given. Conditions come from the servers themselves: model id, speculation
+mode, block length, batch and queue limits.
 """
 
 from __future__ import annotations
