@@ -19,6 +19,8 @@ given arguments, and records, for the adaptive session only:
   than one step this prints its steps, its wall time, and where the time went (steps at its full batch, at a smaller
   one, drafting steps, plain steps where some row keeps a drafter, time outside the steps: admitting and prefilling
   requests).
+- with ``--mode static`` (or ``off``), ``--steps`` records the steps of the sessions of that mode instead: a static
+  (or plain) server's, to set its step times beside an adaptive server's (decisions stay the adaptive session's).
 
 Then prints per batch size how many decisions had each outcome (a decision holds up to 8 steps while the batch is
 unchanged) and the median overheads::
@@ -48,6 +50,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decisions", required=True, help="TSV file the decisions are written to")
     parser.add_argument("--steps", help="TSV file every step of the adaptive session is written to")
+    parser.add_argument("--mode", choices=("auto", "static", "off"), default="auto",
+                        help="the speculation mode whose sessions' steps --steps records (static, off: a static or "
+                             "plain server's steps, to compare step times with an adaptive one's)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `dflash-trt bench`")
     args = parser.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
@@ -59,6 +64,7 @@ def main() -> None:
     steps: list[tuple] = []
     current_pass: list = [0, "warm-up"]  # the bench pass running now: its number and mode (none yet: warm-up)
     decide, record_costs = planner.AutoPlanner._decide, scheduler.Scheduler.record_costs
+    scheduler_init = scheduler.Scheduler.__init__
     run_pass = runners.SessionRunner.run_closed_loop
 
     def traced_run_pass(self, requests, concurrency):
@@ -85,18 +91,24 @@ def main() -> None:
 
     def traced_record_costs(self, report):
         record_costs(self, report)
-        if self.speculation.mode != "auto":  # the static session measures its costs too
-            return
-        if report.draft_rows:
+        if self.speculation.mode == "auto" and report.draft_rows:  # (a static session measures its costs too)
             overheads[report.took_in_context].append(report.seconds - report.plan_s - report.draft_s - report.verify_s)
+
+    def traced_step(self, report):
         entries = self._step_entries  # the step's requests, by id of their state (set before subscribers run)
         steps.append((any(entries[id(state)].memory.wanted for state in report.rows), len(report.rows),
                       report.draft_rows, report.verify_width, sum(1 for state in report.rows if state.uses_drafter),
                       report.seconds, report.verify_s, report.draft_s, time.perf_counter(), current_pass[0],
                       current_pass[1], len(report.rows) + sum(report.accepted), report.took_in_context))
 
+    def traced_init(self, *init_args, **init_kwargs):
+        scheduler_init(self, *init_args, **init_kwargs)
+        if self.speculation.mode == args.mode:  # its steps are timed and recorded
+            self.subscribe(lambda report: traced_step(self, report), timed=True)
+
     planner.AutoPlanner._decide = traced_decide  # only auto sessions plan and record costs from every step
     scheduler.Scheduler.record_costs = traced_record_costs
+    scheduler.Scheduler.__init__ = traced_init
     runners.SessionRunner.run_closed_loop = traced_run_pass
     from dflash_trt.cli import main as cli
 

@@ -1,8 +1,13 @@
-"""tools/auto_trace.py: a session's steps grouped by the bench pass they ran in, and where each pass's time went."""
+"""tools/auto_trace.py: a session's steps grouped by the bench pass they ran in, where each pass's time went, and the
+steps of a static session recorded beside an adaptive one's."""
 
 from __future__ import annotations
 
-from repo_tool import load_tool
+import os
+import subprocess
+import sys
+
+from repo_tool import ROOT, load_tool
 
 trace = load_tool("auto_trace")
 
@@ -29,3 +34,20 @@ def test_each_pass_says_where_its_time_went(capsys):
     trace.summarise_passes(steps)
     assert capsys.readouterr().out == ("dflash_auto pass: 3 steps, 10 ms; at batch 4 2 (5 ms), smaller 1 (2 ms), "
                                        "drafting 1 (3 ms), plain with a drafter kept 1 (2 ms); outside the steps 3 ms\n")
+
+
+def test_mode_static_records_the_steps_of_a_static_session(tmp_path):
+    """``--mode static`` records a static session's steps (a static server's, to compare its step times with an
+    adaptive server's): here the benchmark's static passes, whose drafting steps verify the full block, and none of its
+    adaptive session's. Run in its own process: the tool patches the runtime's classes for good."""
+    steps = tmp_path / "steps.tsv"
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "auto_trace.py"), "--decisions", str(tmp_path / "d.tsv"),
+                          "--steps", str(steps), "--mode", "static", "--", "--datasets", "tinystories",
+                          "--num-prompts", "2", "--max-new-tokens", "16", "--concurrency", "1", "--repeats", "1",
+                          "--no-peers", "--out", str(tmp_path / "out")],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split("\t") for line in steps.read_text().splitlines()[1:]]
+    modes = {row[10] for row in rows}
+    assert "dflash" in modes and not any(mode.endswith("_auto") for mode in modes), modes
+    assert max(int(row[3]) for row in rows if row[2] != "0") == 16  # a static step verifies the whole block
