@@ -49,7 +49,7 @@ from dflash_trt.runtime.policy import auto_length, expected_tokens
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decisions", required=True, help="TSV file the decisions are written to")
-    parser.add_argument("--steps", help="TSV file every step of the adaptive session is written to")
+    parser.add_argument("--steps", help="TSV file every step of the traced session (--mode) is written to")
     parser.add_argument("--mode", choices=("auto", "static", "off"), default="auto",
                         help="the speculation mode whose sessions' steps --steps records (static, off: a static or "
                              "plain server's steps, to compare step times with an adaptive one's)")
