@@ -71,15 +71,16 @@ load they ran at, so expiry is not what forgets a burst; it forgets prices the p
 two plain requests of 127 tokens between two drafting ones (a benchmark's waves at c=1; mixed traffic) expired
 every drafting price, so each request's drafting was a guess again and it retired."""
 STARTUP_STEPS = 128
-"""A session's first steps, which can run slower than the rest: on this machine an OpenAI server's first ~40 steps at
-batch 1 after its first requests ran 15-25% slower than later ones, whatever came before (idle seconds, other
-requests), and the load reading cannot see it, since no point has a usual time yet. Once, ``2 * STARTUP_STEPS`` steps
-in, a forward of a drafting step last measured within them (the policy stopped using it) is forgotten: priced as a
-guess again, so tried again where the session's estimate predicts it to win (:meth:`CostModel.record_overhead`). Kept,
-a k=15 price taken then held the server's c=1 session at k=7 for most of a run; forgotten, the server's c=1 cell
-reached 0.9 of static in 23 of 26 rounds against 13 of 26. Where a start-up price was right, its trial is what
-forgetting it costs (the policy simulator: the same 13 cells of 600 below the bar; docs/adaptive-notebook.md, "Start-up
-prices taken again")."""
+"""A session's first steps, which can run slower than the rest: on the 2-core machine of docs/adaptive.md an OpenAI
+server's first ~40 steps at batch 1 after its first requests ran 15-25% slower than later ones, whatever came before
+(idle seconds, other requests), and the load reading cannot see it, since no point has a usual time yet (such slow
+stretches also come and go later in a run, which this rule does not reach: docs/adaptive.md, "Known limits"). Once,
+``2 * STARTUP_STEPS`` steps in, a forward of a drafting step last measured within them (the policy stopped using it)
+is forgotten: priced as a guess again, so tried again where the session's estimate predicts it to win
+(:meth:`CostModel.record_overhead`). Kept, a k=15 price taken then held the server's c=1 session at k=7 for most of a
+run; forgotten, the server's c=1 cell reached 0.9 of static in 23 of 26 rounds against 13 of 26. Where a start-up
+price was right, its trial is what forgetting it costs (the policy simulator: the same 13 cells of 600 below the bar;
+docs/adaptive-notebook.md, "Start-up prices taken again")."""
 
 
 @dataclass(frozen=True)
