@@ -129,6 +129,7 @@ class Session:
         if self.speculation.mode == "auto":
             calibrate(self.backend, self.costs, pair.draft is not None, self.default_block_len, self.max_seq_len)
         self._scheduler = Scheduler(self.backend, self.speculation, self.costs)
+        self._unfinished = _Counter()  # requests submitted whose last item is not delivered yet
         # a session dropped without close() still stops its worker (the worker holds the scheduler, never the
         # session); at interpreter exit the sessions still open are closed, their requests cancelled
         self._finalizer = weakref.finalize(self, self._scheduler.close, True, EXIT_TIMEOUT_S)
@@ -251,15 +252,32 @@ class Session:
                              else self.pair.target.config.eos_token_ids)
         mask_token_id = self.pair.draft.config.mask_token_id if self.pair.draft is not None else 0
         seed = params.seed if params.seed is not None else 0
-        handle = RequestHandle(prompt_ids, params, self.decode_text, on_end)
+        unfinished = self._unfinished  # not the session: a queued request must not keep a dropped session alive
+
+        def ended() -> None:
+            unfinished.add(-1)
+            if on_end is not None:
+                on_end()
+
+        handle = RequestHandle(prompt_ids, params, self.decode_text, ended)
         generator_device = getattr(self.backend, "device", "cpu")
 
         def make_state(slot: int) -> RequestState:
             return RequestState(slot, prompt_ids, params, block_len, stop_ids, mask_token_id,
                                 torch.Generator(device=generator_device).manual_seed(seed))
 
-        self._scheduler.submit(make_state, handle._deliver, handle._cancelled)
+        unfinished.add(1)
+        try:
+            self._scheduler.submit(make_state, handle._deliver, handle._cancelled)
+        except BaseException:
+            unfinished.add(-1)
+            raise
         return handle
+
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted and not ended yet, queued or decoding (a cancelled one until the session frees its
+        cache slot, at its next step): 0 once every handle has ``ended()``."""
+        return self._unfinished.value
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                stats: SpecStats | None = None) -> Iterator[StreamChunk]:
@@ -369,6 +387,18 @@ def _check_device(device: str, backend: str) -> None:
 
         raise BackendUnavailableError(f"device is {device!r} but torch sees no CUDA GPU here; expected a machine "
                                       "with an NVIDIA GPU and a CUDA build of torch. Fix: pass --device cpu.")
+
+
+class _Counter:
+    """An integer that threads add to."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self, amount: int) -> None:
+        with self._lock:
+            self.value += amount
 
 
 class RequestHandle:

@@ -12,12 +12,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
 
 from dflash_trt.formats.load import load_pair
 from dflash_trt.config import SamplingParams
+from dflash_trt.errors import RequestError
 from dflash_trt.runtime.session import Session
 
 PROMPTS = ["Once upon a time", "One day, a little boy named Tim", "Lily and Ben were", "The sun was"]
@@ -94,6 +96,35 @@ def test_on_end_is_called_once_from_the_worker_when_a_request_ends_finished_or_c
         cancelled.cancel()
         assert cancelled.result().finish_reason == "cancelled"
     assert calls == [("done", True), ("cancelled", True)]
+
+
+def test_num_unfinished_requests_counts_what_is_queued_or_decoding_until_it_ends():
+    session = Session.from_checkpoints(max_batch=1)
+    gate, target_batch = threading.Event(), session.backend.target_batch
+
+    def held(rows, with_taps):  # the real forward, once the test opens the gate
+        gate.wait(60)
+        return target_batch(rows, with_taps)
+
+    session.backend.target_batch = held
+    with session:
+        assert session.num_unfinished_requests() == 0
+        params = SamplingParams(max_new_tokens=200, stop_token_ids=[])
+        first, second = session.submit(PROMPTS[0], params), session.submit(PROMPTS[1], params)  # one decodes, one waits
+        assert session.num_unfinished_requests() == 2
+        first.cancel()
+        second.cancel()
+        gate.set()
+        assert {first.result().finish_reason, second.result().finish_reason} <= {"cancelled", "length"}
+        assert first.ended() and second.ended() and session.num_unfinished_requests() == 0
+        with pytest.raises(RequestError):
+            session.submit(PROMPTS[0], SamplingParams(max_new_tokens=10_000))  # refused: never counted
+        assert session.num_unfinished_requests() == 0
+        session.generate(PROMPTS[2], SamplingParams(max_new_tokens=4))
+        assert session.num_unfinished_requests() == 0
+    with pytest.raises(RequestError):
+        session.submit(PROMPTS[0], SamplingParams(max_new_tokens=4))  # closed
+    assert session.num_unfinished_requests() == 0
 
 
 def test_leaving_stream_early_cancels_the_request():
