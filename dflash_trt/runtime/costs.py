@@ -58,6 +58,16 @@ WARMING_STEPS = 12
 1 the first ten took 1.4-2.2 ms there, the later ones 0.75-0.85 ms, and three of them priced drafting at a loss
 where it won 1.3x (nothing measured it again until that price expired). A backend without such a warm-up (the policy
 simulator's) passes 0, which also keeps each point's first forward in traffic (a warm-up otherwise: ``record``)."""
+_FASTER = 0.6
+"""How far below its usual time the last few verifies of a point may run before that usual time is taken for one
+measured in a slow stretch: the point's usual time and price then start anew from them. On the 2-core machine of
+docs/adaptive.md, stretches of 20-300 steps run 1.5-1.9x slower and come and go through a run (at times the wide
+forwards alone); a verify width measured mostly in one takes its usual time from it, so once it runs fast again its
+load reads below 1: while it drafts, every other forward is priced that much lower, and once the batch drafts something
+else, its own fast measurements, kept over that load, price it at about the slow stretch's cost (until a quarter of its
+last 256 verifies are fast). At 0.8 one run of the engine's c=1 bench started usual times anew 53 times, on the
+ordinary 20-30% swings of plain verifies; at 0.6, 4 times, each where a usual time of 0.44-0.46 ms had come from a
+slow stretch and the verifies ran 0.23-0.27 ms (docs/adaptive-notebook.md, "A usual time taken in a slow stretch")."""
 _DEARER = 1.25
 """How much dearer than the shape's guess (:meth:`CostModel._verify_from_shape`) a wide verify measured fewer than
 ``_TRUSTED`` times may be before that price is taken for one measured in a burst of load and the verify is priced as a
@@ -210,6 +220,10 @@ class CostModel:
             history.append(seconds)
             if len(history) >= 2 * _TRUSTED:
                 self.load = history.recent_median(_TRUSTED) / history.lower_quartile()
+                if self.load < _FASTER:  # its usual time was taken in a slow stretch: it starts anew from now
+                    history.keep_last(_TRUSTED)
+                    samples.clear()
+                    self.load = 1.0
             elif plain:
                 self.load = 1.0
             if plain:
@@ -422,7 +436,8 @@ class CostModel:
 class _Times:
     """A point's last ``size`` verify times, in the order measured and sorted: its usual time on an unloaded machine
     is their lower quartile (load only ever adds time, and a point measured mostly in a burst of load still has some
-    unloaded measurements), read every step without sorting them again."""
+    unloaded measurements; one measured only in a slow stretch starts anew, ``_FASTER``), read every step without
+    sorting them again."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -436,6 +451,11 @@ class _Times:
         self.measured.append(seconds)
         bisect.insort(self.ordered, seconds)
         if len(self.measured) > self.size:
+            del self.ordered[bisect.bisect_left(self.ordered, self.measured.popleft())]
+
+    def keep_last(self, count: int) -> None:
+        """Forget all but the last ``count`` times."""
+        while len(self.measured) > count:
             del self.ordered[bisect.bisect_left(self.ordered, self.measured.popleft())]
 
     def recent_median(self, count: int) -> float:

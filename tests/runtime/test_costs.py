@@ -299,6 +299,40 @@ def test_a_burst_longer_than_a_hundred_plain_steps_does_not_become_plain_decodin
     assert costs.verify(1, 16) == pytest.approx(wide, rel=0.05)
 
 
+def test_a_verify_measured_only_in_a_slow_stretch_is_priced_at_its_cost_once_it_runs_fast_again():
+    """k=15 drafted only in a stretch where wide verifies ran 2x slower, then plain decoding, then k=15 again once the
+    stretch is over: priced at what it costs now within a few verifies, and so is plain decoding. Its usual time (the
+    lower quartile of its own verifies) came from the stretch, so its load read 0.5: plain decoding was priced at half
+    its cost while k=15 drafted, and k=15's fast verifies, kept over that load, priced it at 2x its cost once a plain
+    step read the load again, until a quarter of its history was fast."""
+    costs = grid()
+    plain, wide = costs.calibrated["verify"][(1, 1)], costs.calibrated["verify"][(1, 16)]
+    for _ in range(40):
+        costs.record("verify", 1, 1, plain)
+        costs.record_overhead(False, 1, 1e-4)
+    for _ in range(40):
+        costs.record("verify", 1, 16, 2 * wide)  # the slow stretch
+        costs.record_overhead(True, 1, 1e-4)
+    assert costs.verify(1, 16) == pytest.approx(2 * wide)
+    for _ in range(40):
+        costs.record("verify", 1, 1, plain)
+        costs.record_overhead(False, 1, 1e-4)
+    for _ in range(_TRUSTED):
+        costs.record("verify", 1, 16, wide)  # over
+        costs.record_overhead(True, 1, 1e-4)
+    assert costs.load == pytest.approx(1.0) and costs.verify(1, 1) == pytest.approx(plain)
+    costs.record("verify", 1, 1, plain)  # a plain step: the load is read from plain decoding's usual time again
+    costs.record_overhead(False, 1, 1e-4)
+    assert costs.verify(1, 16) == pytest.approx(wide) and costs.verify(1, 1) == pytest.approx(plain)
+    for _ in range(2 * _TRUSTED):  # and a slow stretch is read against the new usual time
+        costs.record("verify", 1, 16, wide)
+        costs.record_overhead(True, 1, 1e-4)
+    for _ in range(_TRUSTED):
+        costs.record("verify", 1, 16, 2 * wide)
+        costs.record_overhead(True, 1, 1e-4)
+    assert costs.load == pytest.approx(2.0) and costs.verify(1, 1) == pytest.approx(2 * plain)
+
+
 def test_a_point_never_calibrated_costs_the_least_of_its_first_measurements():
     costs = grid()
     costs.record("draft", 1, 40, 9e-3)  # a first draft taking in a prompt, cold
