@@ -15,6 +15,14 @@ def overhead(costs: CostModel, drafting: bool, batch: int, seconds: float) -> No
         costs.record_overhead(drafting, batch, seconds)
 
 
+def steps(costs: CostModel, count: int, width: int, seconds: float) -> None:
+    """``count`` scheduler steps at batch 1, each a verify of ``width`` tokens taking ``seconds`` (drafting when wider
+    than one token) and 0.1 ms outside it."""
+    for _ in range(count):
+        costs.record("verify", 1, width, seconds)
+        costs.record_overhead(width > 1, 1, 1e-4)
+
+
 def grid(verify=lambda b, w: 1e-3 + 1e-5 * b * w) -> CostModel:
     """A calibrated cost model that keeps every overhead from the first step (warming is tested on its own)."""
     costs = CostModel(warming_steps=0)
@@ -283,18 +291,10 @@ def test_a_burst_longer_than_a_hundred_plain_steps_does_not_become_plain_decodin
     decoding was priced at 2x its cost while the batch drafted."""
     costs = grid()
     plain, wide = costs.calibrated["verify"][(1, 1)], costs.calibrated["verify"][(1, 16)]
-    for _ in range(64):
-        costs.record("verify", 1, 1, plain)
-        costs.record_overhead(False, 1, 1e-4)
-    for _ in range(150):
-        costs.record("verify", 1, 1, 2 * plain)  # the burst
-        costs.record_overhead(False, 1, 1e-4)
-    for _ in range(3):
-        costs.record("verify", 1, 1, plain)  # over
-        costs.record_overhead(False, 1, 1e-4)
-    for _ in range(16):
-        costs.record("verify", 1, 16, wide)  # drafting, unloaded
-        costs.record_overhead(True, 1, 1e-4)
+    steps(costs, 64, 1, plain)
+    steps(costs, 150, 1, 2 * plain)  # the burst
+    steps(costs, 3, 1, plain)  # over
+    steps(costs, 16, 16, wide)  # drafting, unloaded
     assert costs.verify(1, 1) == pytest.approx(plain, rel=0.05)
     assert costs.verify(1, 16) == pytest.approx(wide, rel=0.05)
 
@@ -307,29 +307,16 @@ def test_a_verify_measured_only_in_a_slow_stretch_is_priced_at_its_cost_once_it_
     step read the load again, until a quarter of its history was fast."""
     costs = grid()
     plain, wide = costs.calibrated["verify"][(1, 1)], costs.calibrated["verify"][(1, 16)]
-    for _ in range(40):
-        costs.record("verify", 1, 1, plain)
-        costs.record_overhead(False, 1, 1e-4)
-    for _ in range(40):
-        costs.record("verify", 1, 16, 2 * wide)  # the slow stretch
-        costs.record_overhead(True, 1, 1e-4)
+    steps(costs, 40, 1, plain)
+    steps(costs, 40, 16, 2 * wide)  # the slow stretch
     assert costs.verify(1, 16) == pytest.approx(2 * wide)
-    for _ in range(40):
-        costs.record("verify", 1, 1, plain)
-        costs.record_overhead(False, 1, 1e-4)
-    for _ in range(_TRUSTED):
-        costs.record("verify", 1, 16, wide)  # over
-        costs.record_overhead(True, 1, 1e-4)
+    steps(costs, 40, 1, plain)
+    steps(costs, _TRUSTED, 16, wide)  # over
     assert costs.load == pytest.approx(1.0) and costs.verify(1, 1) == pytest.approx(plain)
-    costs.record("verify", 1, 1, plain)  # a plain step: the load is read from plain decoding's usual time again
-    costs.record_overhead(False, 1, 1e-4)
+    steps(costs, 1, 1, plain)  # a plain step: the load is read from plain decoding's usual time again
     assert costs.verify(1, 16) == pytest.approx(wide) and costs.verify(1, 1) == pytest.approx(plain)
-    for _ in range(2 * _TRUSTED):  # and a slow stretch is read against the new usual time
-        costs.record("verify", 1, 16, wide)
-        costs.record_overhead(True, 1, 1e-4)
-    for _ in range(_TRUSTED):
-        costs.record("verify", 1, 16, 2 * wide)
-        costs.record_overhead(True, 1, 1e-4)
+    steps(costs, 2 * _TRUSTED, 16, wide)  # and a slow stretch is read against the new usual time
+    steps(costs, _TRUSTED, 16, 2 * wide)
     assert costs.load == pytest.approx(2.0) and costs.verify(1, 1) == pytest.approx(2 * plain)
 
 
