@@ -450,8 +450,7 @@ class _Times:
     def append(self, seconds: float) -> None:
         self.measured.append(seconds)
         bisect.insort(self.ordered, seconds)
-        if len(self.measured) > self.size:
-            del self.ordered[bisect.bisect_left(self.ordered, self.measured.popleft())]
+        self.keep_last(self.size)
 
     def keep_last(self, count: int) -> None:
         """Forget all but the last ``count`` times."""

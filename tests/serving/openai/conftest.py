@@ -46,6 +46,14 @@ class Served:
         return 0.0
 
 
+def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``condition()`` until it holds; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 @contextmanager
 def served(drain_timeout_s: float = 10.0, **options) -> Iterator[Served]:
     """The application of ``dflash-trt serve`` with ``options`` (ServeConfig fields), its shutdown included

@@ -28,7 +28,7 @@ from sampling_edges import EDGES, GREEDY, REFUSED, fields, row_id
 from dflash_trt.config import SamplingParams
 
 from ..conftest import free_port
-from .conftest import MODEL, READY_TIMEOUT_S, served
+from .conftest import MODEL, READY_TIMEOUT_S, served, wait_until
 
 MAX_BATCH, MAX_QUEUE = 2, 3
 PROMPT = "Once upon a time"
@@ -164,13 +164,6 @@ class _Gate:
         del self.session.encode  # back to the method
 
 
-def _wait(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def test_tokenizing_counts_against_the_queue_and_a_client_leaving_gives_its_place_back(hostile):
     dispatcher = hostile.app.state.dispatcher
     with _Gate(dispatcher.session) as gate:
@@ -193,8 +186,8 @@ def test_tokenizing_counts_against_the_queue_and_a_client_leaving_gives_its_plac
         asyncio.run(crowd())
         assert gate.entered.acquire(timeout=10)
         # the clients left: queued prompts were dropped; the ones in the tokenizer keep their place until it is done
-        _wait(lambda: dispatcher.admitted <= 2, "queued prompts were not dropped")
-    _wait(lambda: dispatcher.admitted == 0, "places were not given back once tokenizing ended")
+        wait_until(lambda: dispatcher.admitted <= 2, "queued prompts were not dropped")
+    wait_until(lambda: dispatcher.admitted == 0, "places were not given back once tokenizing ended")
     assert httpx.post(hostile.v1 + "/completions", json=_body(), timeout=30).status_code == 200
 
 

@@ -16,7 +16,7 @@ import pytest
 from dflash_trt.config import SamplingParams
 
 from ..conftest import free_port
-from .conftest import MODEL, READY_TIMEOUT_S, served
+from .conftest import MODEL, READY_TIMEOUT_S, served, wait_until
 
 KEY = "test-key"
 LONG = 480  # tokens: with the prompt, the whole 512-token context
@@ -68,13 +68,6 @@ def test_beyond_max_queue_requests_get_429_with_retry_after(small_server):
     assert all(tokens == 160 for _, _, tokens in served_ok)
 
 
-def _wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def test_a_client_that_disconnects_frees_its_slot(small_server):
     # the whole request takes well under a second, so on a loaded machine it can end before the server notices the
     # client went away (then it is rightly counted as finished): such an attempt is told apart and tried again
@@ -100,10 +93,10 @@ def test_a_client_that_disconnects_frees_its_slot(small_server):
                     for line in response.iter_lines():
                         if line.startswith("data: "):
                             break  # one chunk read, then the connection closes
-            _wait_until(lambda: small_server.metric("dflash_request_success_total", **abort) > aborted or
+            wait_until(lambda: small_server.metric("dflash_request_success_total", **abort) > aborted or
                         small_server.metric("dflash_request_success_total", finished_reason="length") > finished,
                         "the server did not notice the client went away")
-            _wait_until(lambda: session.num_unfinished_requests() == 0, "the session did not end the request")
+            wait_until(lambda: session.num_unfinished_requests() == 0, "the session did not end the request")
             if small_server.metric("dflash_request_success_total", **abort) > aborted:
                 break
     finally:
