@@ -94,7 +94,7 @@ def test_a_client_that_disconnects_frees_its_slot(small_server):
                         if line.startswith("data: "):
                             break  # one chunk read, then the connection closes
             wait_until(lambda: small_server.metric("dflash_request_success_total", **abort) > aborted or
-                        small_server.metric("dflash_request_success_total", finished_reason="length") > finished,
+                       small_server.metric("dflash_request_success_total", finished_reason="length") > finished,
                         "the server did not notice the client went away")
             wait_until(lambda: session.num_unfinished_requests() == 0, "the session did not end the request")
             if small_server.metric("dflash_request_success_total", **abort) > aborted:
