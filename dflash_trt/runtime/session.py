@@ -441,6 +441,10 @@ class RequestHandle:
         """The session has delivered this request's last item (it no longer holds a slot), read or not yet."""
         return self._ended.is_set()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds (None: for ever) for ``ended``; whether it has."""
+        return self._ended.wait(timeout)
+
     def __iter__(self) -> Iterator[StreamChunk]:
         return self._chunks(with_text=True)
 

@@ -9,7 +9,10 @@ Counter names follow docs/serving-notes.md §8 (the vLLM ``spec_decode`` names u
 * ``TritonSpecMetrics``: the same counters through Triton's custom-metrics API (``pb_utils.MetricFamily``), so
   they appear on the server's ``/metrics`` endpoint next to the ``nv_inference_*`` families, plus
   ``dflash_request_failure_total{reason}``: Triton's own ``nv_inference_request_failure`` stays 0 for a request the
-  model answers with an error (the 2.51 python backend reports every request that got a response as a success).
+  model answers with an error (the 2.51 python backend reports every request that got a response as a success);
+  and, as the OpenAI server exports them (vLLM's names under the prefix), ``dflash_request_success_total
+  {finished_reason}`` and ``dflash_{prompt,generation}_tokens_total``. A request cancelled by its client counts
+  there (``finished_reason="abort"``) with what it generated until the model stopped it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,17 @@ FAILURES = ("dflash_request_failure_total",
             "Requests the model answered with an error, by reason: `invalid_request` (refused by validation, HTTP "
             "400) or `error` (failed while generating).")
 FAILURE_REASONS = ("invalid_request", "error")
+
+ENDED = ("dflash_request_success_total",
+         "Requests the model ended, by `finished_reason`: `stop` (a stop token or word), `length` (max_tokens) or "
+         "`abort` (cancelled by its client, or at shutdown). vLLM's vllm:request_success_total.")
+FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+"""``finish_reason`` of a generation -> the ``finished_reason`` label (vLLM's: a cancelled request is ``abort``)."""
+TOKENS = (
+    ("dflash_prompt_tokens_total", "num_prompt_tokens", "Prompt tokens of the requests the model ended."),
+    ("dflash_generation_tokens_total", "num_output_tokens",
+     "Tokens generated, an aborted request's included (up to when the model stopped it)."),
+)
 
 
 def failure_reason(error: BaseException) -> str:
@@ -125,16 +139,27 @@ class TritonSpecMetrics:
         self._families[name] = pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
         for reason in FAILURE_REASONS:  # both exported from the start, so a scrape sees 0 before any failure
             self._metrics[(name, reason)] = self._families[name].Metric(labels={**self.labels, "reason": reason})
+        name, text = ENDED
+        self._families[name] = pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
+        for reason in FINISHED_REASONS.values():
+            self._metrics[(name, reason)] = self._families[name].Metric(labels={**self.labels,
+                                                                                "finished_reason": reason})
+        for name, _, text in TOKENS:
+            self._families[name] = pb_utils.MetricFamily(name=name, description=text,
+                                                          kind=pb_utils.MetricFamily.COUNTER)
+            self._metrics[(name, None)] = self._families[name].Metric(labels=self.labels)
 
     @property
     def enabled(self) -> bool:
         return bool(self._families)
 
-    def observe(self, stats: SpecStats) -> None:
-        """Add one finished request's counters."""
+    def observe(self, stats: SpecStats, finish_reason: str) -> None:
+        """Add the counters of one request the model ended with ``finish_reason`` (``stop``, ``length`` or
+        ``cancelled``: a cancelled request counts what it generated until it was stopped)."""
         if not self.enabled:
             return
-        for name, attribute, _ in COUNTERS:
+        self._metrics[(ENDED[0], FINISHED_REASONS[finish_reason])].increment(1.0)
+        for name, attribute, _ in COUNTERS + TOKENS:
             value = getattr(stats, attribute)
             if value:
                 self._metrics[(name, None)].increment(float(value))

@@ -20,7 +20,7 @@ from dflash_trt.runtime.stats import SpecStats
 from dflash_trt.tokenizer import check_text_length
 
 if TYPE_CHECKING:
-    from dflash_trt.runtime.session import GenerationResult, Session, StreamChunk
+    from dflash_trt.runtime.session import GenerationResult, RequestHandle, Session, StreamChunk
 
 Reader = Callable[[str], "np.ndarray | None"]
 """``name -> array`` for one request (``pb_utils.get_input_tensor_by_name(...).as_numpy()``), None if absent."""
@@ -294,6 +294,19 @@ def error_response(pb_utils: Any, exc: BaseException | str) -> Any:
     else:
         message, code = f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+CANCEL_POLL_S = 0.05
+"""How often a whole-response request asks Triton whether its client cancelled it (``result_unless_cancelled``)."""
+
+
+def result_unless_cancelled(handle: RequestHandle, request: Any) -> GenerationResult:
+    """``handle.result()``, cancelling the request once Triton says its client cancelled it (``request.is_cancelled()``,
+    asked every ``CANCEL_POLL_S``): the request stops generating and frees its slot, and ends ``cancelled``."""
+    while not handle.wait(CANCEL_POLL_S):
+        if request.is_cancelled():
+            handle.cancel()
+    return handle.result()
 
 
 def interleave(handles: Iterable[Iterable[StreamChunk]]) -> Iterator[tuple[int, StreamChunk | Exception]]:

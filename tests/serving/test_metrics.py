@@ -69,6 +69,6 @@ def test_running_totals_equal_the_merge_of_the_requests_and_keep_no_history():
 
 def test_triton_sink_is_a_no_op_where_custom_metrics_are_missing():
     sink = TritonSpecMetrics(SimpleNamespace(), {"model": "m"})  # Triton < 23.05: no pb_utils.MetricFamily
-    sink.observe(stats_of((3, 1, 2)))
+    sink.observe(stats_of((3, 1, 2)), "length")
     assert not sink.enabled
     sink.close()

@@ -166,3 +166,27 @@ class _Utils:
 def test_error_response_code_tells_a_bad_request_from_a_failure(error, code):
     response = io.error_response(_Utils, error)
     assert response.error.code == code and str(error) in response.error.message
+
+
+class CancelledAfter:
+    """A Triton request whose client cancels it once the model has asked ``asks`` times (``is_cancelled``)."""
+
+    def __init__(self, asks: int | None) -> None:
+        self.asks, self.asked = asks, 0
+
+    def is_cancelled(self) -> bool:
+        self.asked += 1
+        return self.asks is not None and self.asked > self.asks
+
+
+def test_a_whole_response_request_its_client_cancels_stops_generating(reference_session, monkeypatch):
+    monkeypatch.setattr(io, "CANCEL_POLL_S", 1e-3)  # asked long before the request could end, however fast the CPU
+    params = SamplingParams(max_new_tokens=400)
+    whole = reference_session.generate("Once upon a time", params)
+    cancelled = io.result_unless_cancelled(reference_session.submit("Once upon a time", params), CancelledAfter(0))
+    assert cancelled.finish_reason == "cancelled"
+    assert len(cancelled.token_ids) < len(whole.token_ids) and cancelled.token_ids == whole.token_ids[
+        :len(cancelled.token_ids)]
+    kept = CancelledAfter(None)
+    result = io.result_unless_cancelled(reference_session.submit("Once upon a time", params), kept)
+    assert result.token_ids == whole.token_ids and result.finish_reason == whole.finish_reason

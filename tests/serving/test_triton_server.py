@@ -236,26 +236,84 @@ def cancel_grpc_stream_after_first_answer(server, prompt: str, max_tokens: int) 
         client.close()
 
 
-def test_cancelled_grpc_stream_ends_and_the_stream_model_keeps_serving(triton_server, reference_session):
-    # the whole request takes ~0.2 s on the server, so on a loaded machine the cancel can arrive after it ended
-    # (then it is rightly counted): an attempt that lost that race is told apart by the counters and tried again
+def ended_counters(server, model: str) -> dict[str, float]:
+    """The model's requests ended by ``finished_reason`` and the tokens it generated, from /metrics."""
+    labels = {"model": model, "version": "1"}
+    counts = {reason: sample(server, "dflash_request_success_total", **labels, finished_reason=reason)
+              for reason in ("stop", "length", "abort")}
+    return counts | {"generated": sample(server, "dflash_generation_tokens_total", **labels)}
+
+
+def assert_stopped_early(server, model: str, cancel, send_follow_up, whole, follow_up) -> None:
+    """``cancel()`` starts ``whole``'s request and cancels it; ``send_follow_up()`` then sends ``follow_up``'s and
+    returns its status and text (the model runs one execute at a time, so it runs after the cancelled request ended).
+    The cancelled request is counted as ``abort`` with fewer tokens than the whole response: the model stopped
+    generating, not only sending. The whole request takes ~0.2 s on the server, so on a loaded machine the cancel can
+    arrive after it ended (it is then counted as ended by its length): such an attempt is told apart by the counters
+    and tried again."""
+    for _ in range(5):
+        before = ended_counters(server, model)
+        cancel()
+        status, text = send_follow_up()
+        assert status == 200, text
+        assert text == follow_up.text
+        grew = {key: value - before[key] for key, value in ended_counters(server, model).items()}
+        if grew["abort"]:
+            break
+    assert grew["abort"] == 1, grew
+    cancelled_tokens = grew["generated"] - len(follow_up.token_ids)
+    assert 1 <= cancelled_tokens < len(whole.token_ids), (grew, len(follow_up.token_ids), len(whole.token_ids))
+
+
+def test_cancelled_grpc_stream_stops_generating_and_the_stream_model_keeps_serving(triton_server, reference_session):
     whole = expected(reference_session, PROMPTS[0], max_new_tokens=400)
     follow_up = expected(reference_session, PROMPTS[3], max_new_tokens=10)
-    growth = []
-    for _ in range(5):
-        before = counters(triton_server, STREAMING)
-        cancel_grpc_stream_after_first_answer(triton_server, PROMPTS[0], max_tokens=400)
+
+    def send_follow_up():
         status, events = post_stream(f"{triton_server.http_url}/v2/models/{STREAMING}/generate_stream",
                                      {"text_input": PROMPTS[3], "max_tokens": 10, "stream": True})
-        assert status == 200, events
-        assert "".join(e["text_output"] for e in events) == follow_up.text
-        # the model runs one execute at a time, so the follow-up ran after the cancelled request ended; a cancelled
-        # request is not counted, so the counters grew by the follow-up alone
-        growth.append(counters(triton_server, STREAMING)["dflash_spec_decode_num_draft_tokens_total"] - before.get(
-            "dflash_spec_decode_num_draft_tokens_total", 0.0))
-        if growth[-1] != follow_up.stats.num_draft_tokens + whole.stats.num_draft_tokens:  # not a lost race
-            break
-    assert growth[-1] == follow_up.stats.num_draft_tokens, (growth, follow_up.stats, whole.stats)
+        return status, "".join(e.get("text_output", "") for e in events) if status == 200 else events
+
+    assert_stopped_early(triton_server, STREAMING,
+                         lambda: cancel_grpc_stream_after_first_answer(triton_server, PROMPTS[0], max_tokens=400),
+                         send_follow_up, whole, follow_up)
+
+
+def cancel_grpc_request_while_generating(server, prompt: str, max_tokens: int) -> None:
+    """Send a whole-response request over gRPC and cancel it 50 ms later; the client sees it cancelled."""
+    import queue
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        inputs = []
+        for name, value, dtype in (("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
+                                   ("max_tokens", np.array([[max_tokens]], dtype=np.int64), "INT64")):
+            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        call = client.async_infer(NON_STREAMING, inputs, callback=lambda result, error: answers.put((result, error)))
+        time.sleep(0.05)
+        call.cancel()
+        answers.get(timeout=TIMEOUT_S)  # the client's own CANCELLED, or the answer of a request that ended first
+    finally:
+        client.close()
+
+
+def test_cancelled_grpc_request_stops_generating_and_the_model_keeps_serving(triton_server, reference_session):
+    whole = expected(reference_session, PROMPTS[0], max_new_tokens=400)
+    follow_up = expected(reference_session, PROMPTS[3], max_new_tokens=10)
+
+    def send_follow_up():
+        status, answer = generate(triton_server, {"text_input": PROMPTS[3], "max_tokens": 10})
+        return status, answer.get("text_output") if status == 200 else answer
+
+    assert_stopped_early(triton_server, NON_STREAMING,
+                         lambda: cancel_grpc_request_while_generating(triton_server, PROMPTS[0], max_tokens=400),
+                         send_follow_up, whole, follow_up)
 
 
 BAD_REQUESTS = [
@@ -410,11 +468,18 @@ def test_16_concurrent_streams_each_add_up_to_session_generate(triton_server, re
 
 
 def test_prometheus_counters_grow_by_the_request_stats(triton_server, reference_session):
-    before = counters(triton_server, NON_STREAMING)
+    before, ended_before = counters(triton_server, NON_STREAMING), ended_counters(triton_server, NON_STREAMING)
+    prompt_tokens_before = sample(triton_server, "dflash_prompt_tokens_total", model=NON_STREAMING, version="1")
     status, answer = generate(triton_server, {"text_input": PROMPTS[1], "max_tokens": 20})
     assert status == 200, answer
     after = counters(triton_server, NON_STREAMING)
-    stats = expected(reference_session, PROMPTS[1], max_new_tokens=20).stats
+    result = expected(reference_session, PROMPTS[1], max_new_tokens=20)
+    stats = result.stats
+    ended = {key: value - ended_before[key] for key, value in ended_counters(triton_server, NON_STREAMING).items()}
+    assert ended == {"stop": 0, "length": 0, "abort": 0} | {result.finish_reason: 1,
+                                                              "generated": len(result.token_ids)}
+    assert sample(triton_server, "dflash_prompt_tokens_total", model=NON_STREAMING,
+                  version="1") - prompt_tokens_before == stats.num_prompt_tokens
     grew = {name: after[name] - before.get(name, 0.0) for name in after}
     assert grew["dflash_spec_decode_num_drafts_total"] == stats.num_drafts
     assert grew["dflash_spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens

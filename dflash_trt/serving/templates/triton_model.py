@@ -24,29 +24,30 @@ class TritonPythonModel:
     def execute(self, requests):
         jobs = [self._guarded(self._start, request) for request in requests]  # all submitted first: one batch
         if not self.settings.decoupled:
-            return [job if isinstance(job, pb_utils.InferenceResponse) else self._guarded(self._finish, job)
-                    for job in jobs]
+            return [job if isinstance(job, pb_utils.InferenceResponse) else self._guarded(self._finish, request, job)
+                    for request, job in zip(requests, jobs)]
         streams = []
         for request, job in zip(requests, jobs):
             sender = request.get_response_sender()
             if isinstance(job, pb_utils.InferenceResponse) or not job[1]:  # an error, or one whole response
-                sender.send(job if isinstance(job, pb_utils.InferenceResponse) else self._guarded(self._finish, job),
-                            flags=FINAL)
+                sender.send(job if isinstance(job, pb_utils.InferenceResponse)
+                            else self._guarded(self._finish, request, job), flags=FINAL)
             else:
                 streams.append((request, sender, job[0]))
         for index, item in io.interleave([handle for _, _, handle in streams]):  # sent from this thread only
             request, sender, handle = streams[index]
-            if isinstance(item, Exception) or item.finish_reason == "cancelled":
-                if isinstance(item, Exception):
-                    self.metrics.failed(item)
-                sender.send(io.error_response(pb_utils, item if isinstance(item, Exception) else "cancelled"),
-                            flags=FINAL)
-            elif request.is_cancelled():
+            if isinstance(item, Exception):
+                self.metrics.failed(item)
+                sender.send(io.error_response(pb_utils, item), flags=FINAL)
+            elif item.finish_reason == "cancelled":
+                self.metrics.observe(handle.stats, item.finish_reason)
+                sender.send(io.error_response(pb_utils, "cancelled"), flags=FINAL)
+            elif request.is_cancelled() and not item.finished:
                 handle.cancel()  # its next chunk is the final, cancelled one
-            else:
+            else:  # (a stream cancelled as it ended gets its end: every stream is closed with FINAL)
                 outputs = io.chunk_outputs(item, handle.stats, self.settings.batched)
                 if item.finished:  # counted before its end is sent: a client that saw the end sees its counters
-                    self.metrics.observe(handle.stats)
+                    self.metrics.observe(handle.stats, item.finish_reason)
                 sender.send(io.response(pb_utils, outputs), flags=FINAL if item.finished else 0)
         return None
 
@@ -57,9 +58,11 @@ class TritonPythonModel:
                                   "stream=false, or use a model exported with `dflash-trt triton export --streaming`.")
         return self.session.submit(job.prompt, job.params), job.stream  # thread-safe; requests share forwards
 
-    def _finish(self, job):
-        result = job[0].result()
-        self.metrics.observe(result.stats)
+    def _finish(self, request, job):
+        result = io.result_unless_cancelled(job[0], request)  # a client that left frees the request's slot
+        self.metrics.observe(result.stats, result.finish_reason)
+        if result.finish_reason == "cancelled":
+            return io.error_response(pb_utils, "cancelled")
         return io.response(pb_utils, io.result_outputs(result, self.settings.batched))
 
     def _guarded(self, work, *arguments):
