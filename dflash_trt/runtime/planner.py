@@ -36,7 +36,9 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    committed. So exploration costs at most a starting bank per batch size (7 up to 64 requests) plus
    ``EXPLORE_FRACTION`` of the time served, however many requests arrive; a cold session's exploring included (before
    the prior is informed, drafting is exploring).
-   A session whose drafter went bad keeps sampling new requests, and notices when the workload changes. An informed
+   A session whose drafter went bad keeps sampling new requests, and notices when the workload changes: a probe is
+   judged worth making for the batch's live requests, or, once the prior's oldest cycle is ``STALE_HORIZONS`` horizons
+   old, for every request with a drafter (a batch that retired then tries its new requests again). An informed
    session probes a request once it is ``PROBE_AFTER_TOKENS`` into its response: its first cycles are not like the
    rest (a cold session probes at once: anything it learns beats nothing). While the informed prior holds fewer than
    ``SURE_CYCLES`` cycles and a win stays plausible on them (``PLAUSIBLE_SE``), a request already probed is probed
@@ -188,6 +190,19 @@ PLAUSIBLE_SE = 2.0
 """... and a win is plausible where the prior, each position's accepted count moved up by this many standard deviations
 (``AutoPlanner._plausible``), predicts some length beats plain decoding by ``MARGIN``. Without this test, an untrained
 drafter's requests were probed over and over (0.02-0.03 of plain decoding's throughput in simulated GPU cells)."""
+
+STALE_HORIZONS = 12
+"""Horizons (``PRIOR_HORIZON_STEPS``, as raised for the batch) the session prior's oldest cycle must be old, nothing
+having replaced it, for the estimate to be *stale*: then whether a probe is worth making is judged, as the other two
+judgements (hopeless, plain for the prior) are, for every request with a drafter, the retired ones included (what the
+batch could draft once it turns over), not for its live requests alone. A batch of 64 that retired on an untrained
+drafter's requests met in-domain stories next, and the few new requests live at a time could not pay for a batch of 64
+by themselves: none was probed, the kept cycles never aged out, and the session decoded plainly for the rest of the run
+while static k=3 won 1.4-1.5x (the simulated H200 at 1k-token prompts: 0.66-0.71 of static k=3; stale, 0.99-1.00).
+Judged so from the start, probes of a few live rows ran where they found nothing, and the README's OpenAI server A/B at
+c=8 fell from 1.13-1.19x plain to 1.02-1.09x; stale after 4 horizons, the simulator's CPU cells at c=4 and its
+compute-bound ones at c=64 lost 0.01-0.05 in 42 cells of 600 (docs/adaptive-notebook.md, "Tried and dropped again: a
+probe judged for the whole batch" and "Tried and dropped: an estimate that learned nothing, forgotten")."""
 
 HOPEFUL_PSEUDO = 4.0
 """Accepted pseudo-cycles per position in the optimistic estimate that gates exploration."""
@@ -367,7 +382,8 @@ class AutoPlanner:
                 self._trial = 0
                 return Plan([min(length, w) for w in wanted], "exploit", plain_step)
         self._trial = 0
-        could_pay = cache(lambda: self._probe_could_pay(prior, wanted))  # asked up to twice below: worked out once
+        judged = capable if self._stale() else wanted  # who a probe is worth making for (``STALE_HORIZONS``)
+        could_pay = cache(lambda: self._probe_could_pay(prior, judged))  # asked up to twice below: worked out once
         explored = self._explore(requests, wanted, prior, plain_step, could_pay)
         if explored is not None:
             return Plan(explored, "explore", plain_step)
@@ -447,6 +463,11 @@ class AutoPlanner:
         probing = [w if i in chosen else 0 for i, w in enumerate(wanted)]
         length, cycle_s = self._probe(probing, prior, plain_step)
         return [min(length, w) for w in probing] if length and cycle_s <= self.credit_s else None
+
+    def _stale(self) -> bool:
+        """Is the session prior's oldest cycle ``STALE_HORIZONS`` horizons old?"""
+        age, horizon = self.prior.oldest_age, self.prior.horizon
+        return age is not None and horizon is not None and age >= STALE_HORIZONS * horizon
 
     def _unsettled(self, prior: list[float], wanted: list[int]) -> bool:
         """Could the informed prior's verdict of plain decoding be wrong for lack of cycles (``SURE_CYCLES``)? Then a

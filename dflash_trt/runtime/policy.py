@@ -79,6 +79,11 @@ class AcceptanceTracker:
         self.steps_served += steps
         self._forget_old()
 
+    @property
+    def oldest_age(self) -> int | None:
+        """Request-steps served since the oldest cycle in the window was observed; None while it holds none."""
+        return self.steps_served - self._served_at[0] if self._served_at else None
+
     def _forget_old(self) -> None:
         if self.horizon is None:
             return

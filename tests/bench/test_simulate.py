@@ -186,15 +186,13 @@ def test_requests_joining_a_batch_of_retired_ones_draft_again_once_the_batch_tur
     assert cell.ratio("auto") > 1.1, cell.results["auto"].draft_lens
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a known limitation: the batch retires on the untrained requests, and the few new requests live at a time cannot "
-    "pay for a batch of 64 by themselves, so none is probed and the session decodes plainly for the rest of the run "
-    "(1.00x plain against static k=3's 1.47x). Judging the probe on every request with a drafter fixes it (0.99 of "
-    "static k=3) but cost the README's OpenAI server A/B at c=8 1.02-1.09x against 1.13-1.19x "
-    "(docs/adaptive-notebook.md, \"Tried and dropped again: a probe judged for the whole batch\")"))
 def test_a_session_notices_when_its_workload_changes(traces):
     """h200-1k, c=64: 128 requests from an untrained drafter's traces, then 384 in domain (static k=3: 1.47x plain
-    there): does the batch draft again once the workload turned (``tools/simulate_policy.py switch``)?"""
+    there): does the batch draft again once the workload turned (``tools/simulate_policy.py switch``)? The batch
+    retires on the untrained requests, and the few new requests live at a time cannot pay for a batch of 64 by
+    themselves; judged for them alone, none was probed and the session decoded plainly for the rest of the run (1.00x
+    plain). Once the estimate is stale (``planner.STALE_HORIZONS``), a probe is judged for every request with a
+    drafter."""
     workload = acceptance_traces.switched(traces["untrained"], traces["stories_t0"], 2 * 64, 6 * 64)
     cell = simulate.cell("h200-1k", 64, workload, requests_per_slot=8, offset=0, policies=("plain", "static:3", "auto"))
     assert cell.ratio("static:3") > 1.3

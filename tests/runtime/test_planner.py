@@ -12,7 +12,7 @@ from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
 from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, FULL_WORTH_GAIN,
                                         INFORMED_CYCLES, PRIOR_BATCH_STEPS, PRIOR_CYCLES, PRIOR_HORIZON_STEPS,
                                         PRIOR_KEEP, PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_MIN_STEPS,
-                                        REALISED_STEPS, RECHECK_GAIN, TRIAL_STEPS, AutoPlanner, Plan, RequestMemory,
+                                        REALISED_STEPS, RECHECK_GAIN, STALE_HORIZONS, TRIAL_STEPS, AutoPlanner, Plan, RequestMemory,
                                         probe_after, session_prior)
 from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length
 
@@ -649,3 +649,26 @@ def test_time_served_earns_exploration_in_proportion_to_what_a_better_drafter_co
         planner.plan(batch)
         planner.step_took(1e-3)
     assert planner.credit_s == pytest.approx(EXPLORE_FRACTION * 100 * 1e-3 * expected)
+
+
+def test_a_batch_that_retired_judges_a_probe_for_every_request_with_a_drafter_once_its_estimate_is_stale():
+    """A batch of 64 whose requests retired on an untrained drafter, and one new request: a probe of it alone cannot
+    pay for a batch of 64 (a wide verify is paid by every row), so while the estimate is fresh it retires unprobed.
+    Once the prior's oldest cycle is ``STALE_HORIZONS`` horizons old, the probe is judged for every request with a
+    drafter (what the batch could draft once it turns over), and the new request is probed."""
+    def plan_for_one_new_request(served: int) -> tuple[Plan, RequestMemory]:
+        prior = session_prior()
+        for _ in range(16):
+            prior.observe(15, 0)
+        prior.served(served)
+        batch = [request() for _ in range(64)]
+        for retired in batch[1:]:
+            retired.retired = True
+        return AutoPlanner(measured(GPU), prior).plan(batch), batch[0]
+
+    horizon = PRIOR_BATCH_STEPS * 64  # the prior's horizon, as raised for a batch of 64
+    for served in (0, (STALE_HORIZONS - 1) * horizon):
+        plan, new = plan_for_one_new_request(served)
+        assert plan.reason == "plain" and new.retired
+    plan, new = plan_for_one_new_request(STALE_HORIZONS * horizon)
+    assert plan.reason == "explore" and plan.lengths[0] > 0 and plan.lengths[1:] == [0] * 63 and not new.retired
