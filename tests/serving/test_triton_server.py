@@ -53,12 +53,13 @@ def as_list(value) -> list:
 
 
 def counters(server, model: str) -> dict[str, float]:
-    """The model's dflash_* samples from /metrics, keyed ``name`` or ``name/position``."""
+    """The model's dflash_spec_decode_* samples from /metrics, keyed ``name`` or ``name/position`` (the other families
+    carry other labels: ``sample``, ``ended_counters``)."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         lines = response.read().decode().splitlines()
-    wanted = f'model="{model}"'
+    ours = [line for line in lines if line.startswith("dflash_spec_decode_") and f'model="{model}"' in line]
     return {line.split("{")[0] + ("/" + line.split('position="')[1].split('"')[0] if "position=" in line else ""):
-            float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("dflash_") and wanted in line}
+            float(line.rsplit(" ", 1)[1]) for line in ours}
 
 
 def expected(session, prompt: str, **fields):
