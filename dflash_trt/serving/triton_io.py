@@ -305,7 +305,8 @@ def result_unless_cancelled(handle: RequestHandle, request: Any) -> GenerationRe
     asked every ``CANCEL_POLL_S``): the request stops generating and frees its slot, and ends ``cancelled``."""
     while not handle.wait(CANCEL_POLL_S):
         if request.is_cancelled():
-            handle.cancel()
+            handle.cancel()  # asked once: the request ends at the session's next step
+            break
     return handle.result()
 
 

@@ -12,8 +12,8 @@ from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
 from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, FULL_WORTH_GAIN,
                                         INFORMED_CYCLES, PRIOR_BATCH_STEPS, PRIOR_CYCLES, PRIOR_HORIZON_STEPS,
                                         PRIOR_KEEP, PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_MIN_STEPS,
-                                        REALISED_STEPS, RECHECK_GAIN, STALE_HORIZONS, TRIAL_STEPS, AutoPlanner, Plan, RequestMemory,
-                                        probe_after, session_prior)
+                                        REALISED_STEPS, RECHECK_GAIN, STALE_HORIZONS, TRIAL_STEPS, AutoPlanner, Plan,
+                                        RequestMemory, probe_after, session_prior)
 from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound

@@ -153,19 +153,28 @@ def test_decoupled_model_without_stream_flag_sends_one_whole_response(triton_ser
     assert_matches(events[0], expected(reference_session, PROMPTS[2], max_new_tokens=12))
 
 
+def infer_inputs(client_module, prompt: str, max_tokens: int, stream: bool | None = None) -> list:
+    """``text_input``, ``max_tokens`` (and ``stream``) as ``client_module.InferInput`` s (``tritonclient.http`` or
+    ``.grpc``)."""
+    values = [("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
+              ("max_tokens", np.array([[max_tokens]], dtype=np.int64), "INT64")]
+    if stream is not None:
+        values.append(("stream", np.array([[stream]], dtype=bool), "BOOL"))
+    inputs = []
+    for name, value, dtype in values:
+        tensor = client_module.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
 def test_tritonclient_http_infer_equals_session_generate(triton_server, reference_session):
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(triton_server.http_url.removeprefix("http://"),
                                               connection_timeout=TIMEOUT_S, network_timeout=TIMEOUT_S)
     try:
-        inputs = []
-        for name, value, dtype in (("text_input", np.array([[PROMPTS[3].encode()]], dtype=np.object_), "BYTES"),
-                                   ("max_tokens", np.array([[20]], dtype=np.int64), "INT64")):
-            tensor = httpclient.InferInput(name, list(value.shape), dtype)
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
-        answer = client.infer(NON_STREAMING, inputs)
+        answer = client.infer(NON_STREAMING, infer_inputs(httpclient, PROMPTS[3], 20))
     finally:
         client.close()
     result = expected(reference_session, PROMPTS[3], max_new_tokens=20)
@@ -184,14 +193,8 @@ def test_tritonclient_grpc_stream_equals_session_generate(triton_server, referen
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     try:
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
-        inputs = []
-        for name, value, dtype in (("text_input", np.array([[PROMPTS[0].encode()]], dtype=np.object_), "BYTES"),
-                                   ("max_tokens", np.array([[16]], dtype=np.int64), "INT64"),
-                                   ("stream", np.array([[True]], dtype=bool), "BOOL")):
-            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
-        client.async_stream_infer(STREAMING, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(STREAMING, infer_inputs(grpcclient, PROMPTS[0], 16, stream=True),
+                                  enable_empty_final_response=True)
         texts, ids = [], []
         for _ in range(64):  # bounded: 16 tokens come in at most 16 chunks
             result, error = answers.get(timeout=TIMEOUT_S)
@@ -222,14 +225,7 @@ def cancel_grpc_stream_after_first_answer(server, prompt: str, max_tokens: int) 
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
-        inputs = []
-        for name, value, dtype in (("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
-                                   ("max_tokens", np.array([[max_tokens]], dtype=np.int64), "INT64"),
-                                   ("stream", np.array([[True]], dtype=bool), "BOOL")):
-            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
-        client.async_stream_infer(STREAMING, inputs)
+        client.async_stream_infer(STREAMING, infer_inputs(grpcclient, prompt, max_tokens, stream=True))
         result, error = answers.get(timeout=TIMEOUT_S)
         assert error is None, error
     finally:
@@ -290,13 +286,8 @@ def cancel_grpc_request_while_generating(server, prompt: str, max_tokens: int) -
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        inputs = []
-        for name, value, dtype in (("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
-                                   ("max_tokens", np.array([[max_tokens]], dtype=np.int64), "INT64")):
-            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
-        call = client.async_infer(NON_STREAMING, inputs, callback=lambda result, error: answers.put((result, error)))
+        call = client.async_infer(NON_STREAMING, infer_inputs(grpcclient, prompt, max_tokens),
+                                  callback=lambda result, error: answers.put((result, error)))
         time.sleep(0.05)
         call.cancel()
         answers.get(timeout=TIMEOUT_S)  # the client's own CANCELLED, or the answer of a request that ended first
