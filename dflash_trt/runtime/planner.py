@@ -100,7 +100,7 @@ INFORMED_CYCLES = 8
 """Cycles the session prior must hold before the policy exploits it."""
 
 PROBE_CYCLES = 2
-"""Cycles a request drafts its full block for when it is explored."""
+"""Cycles a request drafts for when it is explored (at the length ``_probe`` picks)."""
 
 REFRESH_STEPS = 8
 """Steps a decision is reused for while the batch is unchanged (deciding costs ~0.1 ms of Python; a CPU's plain

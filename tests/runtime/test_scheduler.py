@@ -120,16 +120,17 @@ def test_speculation_policies_are_lossless(zoo, mode):
         assert all(n >= 1 for n, r in zip(drafted, results) if len(r.token_ids) >= 2)
         assert any(len(r.token_ids) >= 2 for r in results)
     else:
-        assert any(drafted)  # the session's first plan explores with a full block
+        assert any(drafted)  # the cold session's first plan probes
 
 
 def test_auto_policy_explores_then_drops_an_always_rejected_drafter_losslessly(zoo):
-    """The session explores with a full block (its first plan has a full exploration credit); afterwards a
+    """The cold session probes at once (its first plan has the starting exploration credit); afterwards a
     drafter that is always rejected is dropped to plain decoding, and the output never changes.
 
-    Whether a request submitted *after* the first exploration step is explored too depends on that step's
-    measured wall time (it is charged to the credit), i.e. on machine load: that rule is tested with
-    synthetic costs in tests/runtime/test_planner.py, not here."""
+    The probe's length, and whether a request submitted *after* the first exploration step is explored too,
+    depend on measured wall times (the cost model prices each length on them; a step is charged to the
+    credit), i.e. on machine load: on a loaded machine the probe drafted 1 token, on an idle one 3. Those
+    rules are tested with synthetic costs in tests/runtime/test_planner.py, not here."""
     random_draft = DraftSpec(seed=5, block_size=4)
     session = Session.from_checkpoints(zoo.target(TARGET), zoo.drafter(TARGET, random_draft), max_batch=4,
                                        speculation=SpeculationConfig(mode="auto"))
@@ -137,7 +138,7 @@ def test_auto_policy_explores_then_drops_an_always_rejected_drafter_losslessly(z
     results = [h.result() for h in [session.submit([3, i, 7], params) for i in range(4)]]
     plain = [session.generate([3, i, 7], params.model_copy(update={"block_len": 1})) for i in range(4)]
     assert [r.token_ids for r in results] == [p.token_ids for p in plain]
-    assert any(result.stats.draft_lens_used.get(3, 0) >= 1 for result in results)  # an exploration cycle
+    assert any(k and n for result in results for k, n in result.stats.draft_lens_used.items())  # a probe
     for result in results:
         used = result.stats.draft_lens_used
         assert used.get(0, 0) > sum(n for k, n in used.items() if k)  # then mostly plain decoding
