@@ -5,6 +5,7 @@
     python tools/simulate_policy.py mixed --regime cpu --concurrency 16 --workload stories_t0 --seeds 0,1,2
     python tools/simulate_policy.py by-start
     python tools/simulate_policy.py switch --regime h200-1k --concurrency 64 --first untrained --then stories_t0
+    python tools/simulate_policy.py bench --regime cpu --concurrency 16 --workload stories_t0 --seeds 0,1,2,3,4,5
 
 ``record`` serves shipped prompt sets on the embedded stories260K pair (torch backend, static speculation,
 the whole block) and stores each request's per-cycle accepted drafts, plus two synthetic workloads.
@@ -16,6 +17,9 @@ decoding per seed: where the batch shrinks with long requests left. ``by-start``
 tokens a cycle commits by where in its response it starts (tokens 0-15, 16-31, 32-127): what a probe made there reads.
 ``switch`` serves one workload's requests (2 per slot), then another's (6 per slot; 32 requests at least), and
 prints each policy's speed over plain decoding per seed: whether the session notices that its workload changed.
+``bench`` serves one cell shaped as the real-run bench command serves it (``dflash-trt bench --num-prompts 32
+--max-new-tokens 128``: 32 requests, each cut at 128 tokens, so a wave of them ends together under plain decoding)
+and prints the same per seed.
 """
 
 from __future__ import annotations
@@ -103,6 +107,24 @@ def switch(regime: str, concurrency: int, first: traces.Workload, then: traces.W
     _per_seed(regime, concurrency, workload, seeds, requests_per_slot=8, offset=0)
 
 
+def bench(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], requests: int,
+          max_new_tokens: int) -> None:
+    from dflash_trt.bench import simulate
+
+    options = bench_options(concurrency, requests, max_new_tokens)
+    served = max(simulate.MIN_REQUESTS, options["requests_per_slot"] * concurrency)
+    print(f"{regime}, c={concurrency}, {served} requests of {workload.name}, each cut at {max_new_tokens} tokens: "
+          "tokens/s over plain decoding")
+    _per_seed(regime, concurrency, workload, seeds, **options)
+
+
+def bench_options(concurrency: int, requests: int, max_new_tokens: int) -> dict[str, int]:
+    """``simulate.cell``'s options for ``requests`` requests (rounded up to a multiple of ``concurrency``, at least
+    ``simulate.MIN_REQUESTS``) of ``max_new_tokens`` tokens each: the first comes from the prefill, so the cycles cover
+    the other ``max_new_tokens - 1``."""
+    return {"requests_per_slot": -(-requests // concurrency), "max_tokens": max_new_tokens - 1}
+
+
 def _per_seed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], **cell_options) -> None:
     """One line per seed: each static length's and auto's tokens/s over plain decoding (``simulate.cell``)."""
     from dflash_trt.bench import simulate
@@ -163,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     swi.add_argument("--first", default="untrained", help="a workload of the shipped traces, served first")
     swi.add_argument("--then", default="stories_t0", help="a workload of the shipped traces, served after it")
     swi.add_argument("--seeds", type=_seeds, default="0,1,2", help="comma-separated integers")
+    ben = sub.add_parser("bench", help="one cell shaped as the real-run bench command serves it, per seed")
+    ben.add_argument("--regime", default="cpu", choices=list(REGIMES))
+    ben.add_argument("--concurrency", type=_positive, default=16)
+    ben.add_argument("--workload", default="stories_t0", help="a workload of the shipped traces")
+    ben.add_argument("--seeds", type=_seeds, default="0,1,2", help="comma-separated integers")
+    ben.add_argument("--requests", type=_positive, default=32,
+                     help="requests served (the bench's --num-prompts; at least 32, a multiple of the concurrency)")
+    ben.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens each request is cut at")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.out)
@@ -172,13 +202,17 @@ def main(argv: list[str] | None = None) -> int:
         by_start()
     else:  # the traces are read here, not for every command: ``record`` rewrites them
         workloads = traces.load()
-        command, names = (mix, ("workload",)) if args.command == "mixed" else (swi, ("first", "then"))
+        command, names = {"mixed": (mix, ("workload",)), "bench": (ben, ("workload",)),
+                           "switch": (swi, ("first", "then"))}[args.command]
         for name in names:
             if getattr(args, name) not in workloads:
                 command.error(f"argument --{name}: invalid choice: {getattr(args, name)!r} "
                               f"(choose from {', '.join(workloads)})")
         if args.command == "mixed":
             mixed(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.every, args.joined)
+        elif args.command == "bench":
+            bench(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.requests,
+                  args.max_new_tokens)
         else:
             switch(args.regime, args.concurrency, workloads[args.first], workloads[args.then], args.seeds)
     return 0

@@ -1,5 +1,5 @@
-"""tools/simulate_policy.py's ``mixed`` and ``switch`` cells, and the workload of mixed lengths ``mixed`` runs
-(bench/acceptance_traces.py)."""
+"""tools/simulate_policy.py's ``mixed``, ``switch`` and ``bench`` cells, and the workload of mixed lengths ``mixed``
+runs (bench/acceptance_traces.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 from repo_tool import load_tool
 
 from dflash_trt.bench import acceptance_traces as traces
+from dflash_trt.bench import simulate
 
 simulate_policy = load_tool("simulate_policy")
 
@@ -35,6 +36,18 @@ def test_the_switch_cell_prints_each_policy_over_plain_decoding_per_seed(capsys)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("h200-1k, c=4, 8 requests of untrained, then 24 of stories_t0: tokens/s over plain decoding")
     assert out[1].startswith("seed 0: static:1 ") and " auto " in out[1] and out[1].endswith("of the best fixed choice)")
+
+
+def test_the_bench_cell_serves_its_requests_each_cut_at_the_bench_commands_length(capsys):
+    assert simulate_policy.main(["bench", "--regime", "h200-1k", "--concurrency", "4", "--seeds", "0",
+                                 "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "h200-1k, c=4, 32 requests of stories_t0, each cut at 16 tokens: tokens/s over plain decoding"
+    assert out[1].startswith("seed 0: static:1 ") and out[1].endswith("of the best fixed choice)")
+    stories = traces.load()["stories_t0"]
+    assert all(len(stories.positions(i)) >= 15 for i in range(len(stories.requests)))  # so every request is cut
+    cell = simulate.cell("h200-1k", 4, stories, policies=("plain", "auto"), **simulate_policy.bench_options(4, 32, 16))
+    assert [result.tokens for result in cell.results.values()] == [32 * 15] * 2  # 15 tokens after the prefill's
 
 
 @pytest.mark.parametrize("argument, value", [("--then", "stories"), ("--first", "x")])
