@@ -25,6 +25,7 @@ the load they ran at, any other forward from its measurements over the load each
 during a burst of load and plain decoding measured after it compare as they would at the same time. A plain price
 that stayed at a burst's level while the batch drafted (nothing measured plain decoding, so nothing moved it) made
 drafting look like a gain where it lost: 0.84-0.94x plain decoding in three CPU cells of docs/adaptive-notebook.md.
+A step's time outside its forwards is priced so too while the load reads a burst (``_BURST``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ else, its own fast measurements, kept over that load, price it at about the slow
 last 256 verifies are fast). At 0.8 one run of the engine's c=1 bench started usual times anew 53 times, on the
 ordinary 20-30% swings of plain verifies; at 0.6, 4 times, each where a usual time of 0.44-0.46 ms had come from a
 slow stretch and the verifies ran 0.23-0.27 ms (docs/adaptive-notebook.md, "A usual time taken in a slow stretch")."""
+_BURST = 1.4
+"""The load reading (:attr:`CostModel.load`) from which a step counts as run in a burst of load: its time outside the
+forwards is then kept over that load, as the forwards are, and priced at the load of now while the reading stays a
+burst. Bursts slow a step 1.5-3x (the slow stretches of docs/adaptive.md's 2-core machine 1.5-1.9x). Under it, the
+reading is mostly a wide verify's context growing (on the simulated CPU at c=64, 1.15-1.28 over its shortest), which
+host time does not follow: kept over every reading, a plain step's host time was priced higher as contexts grew, and
+the batch drafted k=3 at 0.87x plain decoding. Kept as measured, a plain step's host time taken in a burst (1.9 ms
+against 1.0 ms) priced plain decoding at batch 16 at 3.6 ms against the 2.9 ms it cost while the batch drafted k=3,
+which lost 11% a step (the simulated CPU in the real-run bench's shape, ``tools/simulate_policy.py bench``, seed 4:
+0.93x plain; docs/adaptive-notebook.md, "A plain step's host time taken in a burst")."""
+
 _DEARER = 1.25
 """How much dearer than the shape's guess (:meth:`CostModel._verify_from_shape`) a wide verify measured fewer than
 ``_TRUSTED`` times may be before that price is taken for one measured in a burst of load and the verify is priced as a
@@ -206,7 +218,8 @@ class CostModel:
     def _measured(self, point: tuple, seconds: float) -> float | None:
         """Keep one measurement; return the point's estimate. A plain verify is kept as measured and tells how
         loaded the machine is now (:attr:`load`); any other forward is kept over the load it ran at, so that
-        what drafting costs and what plain decoding costs compare at the same load, whenever each was measured."""
+        what drafting costs and what plain decoding costs compare at the same load, whenever each was measured; a
+        step's time outside its forwards over the load it ran at if that was a burst (``_BURST``)."""
         self._history.setdefault(point, deque(maxlen=_HISTORY)).append(seconds)
         self._counts[point] = self._counts.get(point, 0) + 1
         if self._counts[point] == 1 and self.warming_steps and point[0] != "overhead":
@@ -228,9 +241,16 @@ class CostModel:
                 self.load = 1.0
             if plain:
                 self._plain_load[point[1]] = self.load
-        samples.append(seconds if plain or point[0] == "overhead" else seconds / self.load)
+        if plain:
+            samples.append(seconds)
+        else:
+            samples.append(seconds / (self._burst_load() if point[0] == "overhead" else self.load))
         self._last[point] = self._steps
         return self._own(point)
+
+    def _burst_load(self) -> float:
+        """The load reading if it is a burst's (``_BURST``), else 1."""
+        return self.load if self.load >= _BURST else 1.0
 
     def _fresh(self, point: tuple) -> bool:
         return point in self._last and self._steps - self._last[point] <= _STALE_STEPS
@@ -248,7 +268,7 @@ class CostModel:
             return recent * self.load / self._plain_load.get(point[1], self.load)  # at the load of now
         typical = statistics.median(samples) if len(samples) >= _TRUSTED else min(samples)
         if point[0] == "overhead":
-            return typical
+            return typical * self._burst_load()
         if (point[0] == "verify" and len(samples) < _TRUSTED and self.calibrated["verify"]
                 and typical * self.load > _DEARER * self._verify_from_shape(point[1], point[2])):
             return None

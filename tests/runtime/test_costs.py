@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_trt.runtime.costs import (_DEARER, _RECHECK_STEPS, _STALE_STEPS, _TRUSTED, STARTUP_STEPS, WARMING_STEPS,
-                                      CostModel)
+from dflash_trt.runtime.costs import (_BURST, _DEARER, _RECHECK_STEPS, _STALE_STEPS, _TRUSTED, STARTUP_STEPS,
+                                      WARMING_STEPS, CostModel)
 
 
 def overhead(costs: CostModel, drafting: bool, batch: int, seconds: float) -> None:
@@ -241,6 +241,31 @@ def test_forwards_measured_during_a_burst_of_load_compare_with_plain_steps_at_th
     for _ in range(3):
         costs.record("verify", 1, 1, plain)  # the burst is over
     assert costs.verify(1, 16) == pytest.approx(wide)
+
+
+def test_a_steps_time_outside_its_forwards_taken_in_a_burst_is_priced_at_the_load_of_now():
+    """Plain steps whose host time was measured while the machine ran 2x slower, then drafting at the usual speed:
+    plain decoding is priced at its usual host time, as its verify is, not the burst's (kept as measured, drafting was
+    judged against a plain step dearer than plain decoding, and drafted where it lost). A reading below ``_BURST``
+    (mostly a verify's context growing, which host time does not follow) leaves host time as measured."""
+    costs = grid()
+    plain, wide = costs.calibrated["verify"][(16, 1)], costs.calibrated["verify"][(16, 4)]
+    for seconds in [plain] * 32 + [2 * plain] * 9:  # the burst comes at the end
+        costs.record("verify", 16, 1, seconds)
+        costs.record_overhead(False, 16, 1e-3 * seconds / plain)
+    assert costs.load == pytest.approx(2.0) and costs.overhead(False, 16) == pytest.approx(2e-3)
+    for _ in range(2 * _TRUSTED):
+        costs.record("verify", 16, 4, wide)  # drafting, after it
+        costs.record_overhead(True, 16, 3e-3)
+    assert costs.load == pytest.approx(1.0) and costs.overhead(False, 16) == pytest.approx(1e-3)
+    growing = grid()
+    for _ in range(32):
+        growing.record("verify", 16, 1, plain)
+        growing.record_overhead(False, 16, 1e-3)
+    for seconds in [wide] * 32 + [1.2 * wide] * 9:  # drafting, as the requests' contexts grow
+        growing.record("verify", 16, 4, seconds)
+        growing.record_overhead(True, 16, 3e-3)
+    assert 1.1 < growing.load < _BURST and growing.overhead(False, 16) == pytest.approx(1e-3)
 
 
 def test_a_plain_verify_priced_dearer_than_a_wider_verify_of_its_batch_is_priced_as_that_one():
