@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "mixed":
             mixed(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.every, args.joined)
         elif args.command == "bench":
+            if args.max_new_tokens < 2:
+                ben.error(f"argument --max-new-tokens: {args.max_new_tokens} leaves nothing to decode after the "
+                          "prefill's token; expected 2 or more")
             bench(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.requests,
                   args.max_new_tokens)
         else:

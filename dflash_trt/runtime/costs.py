@@ -69,6 +69,7 @@ else, its own fast measurements, kept over that load, price it at about the slow
 last 256 verifies are fast). At 0.8 one run of the engine's c=1 bench started usual times anew 53 times, on the
 ordinary 20-30% swings of plain verifies; at 0.6, 4 times, each where a usual time of 0.44-0.46 ms had come from a
 slow stretch and the verifies ran 0.23-0.27 ms (docs/adaptive-notebook.md, "A usual time taken in a slow stretch")."""
+
 _BURST = 1.4
 """The load reading (:attr:`CostModel.load`) from which a step counts as run in a burst of load: its time outside the
 forwards is then kept over that load, as the forwards are, and priced at the load of now while the reading stays a

@@ -50,6 +50,12 @@ def test_the_bench_cell_serves_its_requests_each_cut_at_the_bench_commands_lengt
     assert [result.tokens for result in cell.results.values()] == [32 * 15] * 2  # 15 tokens after the prefill's
 
 
+def test_a_bench_cell_with_nothing_to_decode_after_the_prefill_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        simulate_policy.main(["bench", "--max-new-tokens", "1"])
+    assert "argument --max-new-tokens: 1 leaves nothing to decode" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argument, value", [("--then", "stories"), ("--first", "x")])
 def test_a_switch_between_workloads_not_shipped_is_refused(capsys, argument, value):
     with pytest.raises(SystemExit):
