@@ -152,6 +152,14 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _new_tokens(text: str) -> int:
+    """A request's length in tokens: the first comes from the prefill, so at least one more must be decoded."""
+    if text.isdigit() and int(text) < 2:
+        raise argparse.ArgumentTypeError(f"{text} leaves nothing to decode after the prefill's token; "
+                                         "expected 2 or more")
+    return _positive(text)
+
+
 def _seeds(text: str) -> list[int]:
     parts = text.split(",")
     if not all(part.strip().isdigit() for part in parts):
@@ -192,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--seeds", type=_seeds, default="0,1,2", help="comma-separated integers")
     ben.add_argument("--requests", type=_positive, default=32,
                      help="requests served (the bench's --num-prompts; at least 32, a multiple of the concurrency)")
-    ben.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens each request is cut at")
+    ben.add_argument("--max-new-tokens", type=_new_tokens, default=128, help="tokens each request is cut at")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.out)
@@ -211,9 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "mixed":
             mixed(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.every, args.joined)
         elif args.command == "bench":
-            if args.max_new_tokens < 2:
-                ben.error(f"argument --max-new-tokens: {args.max_new_tokens} leaves nothing to decode after the "
-                          "prefill's token; expected 2 or more")
             bench(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.requests,
                   args.max_new_tokens)
         else:
