@@ -64,7 +64,14 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    (:meth:`AutoPlanner.realised_gain`); where drafting clearly won (``CLEAR_WIN``) and its last steps did not lose
    (``REALISED_MIN_STEPS``), the batch drafts the best predicted length. At c=1 the prior spans a few stories and the
    costs a few cold steps, and predictions swung between a loss and a 2x win from one request to the next while
-   static drafting won 1.5x.
+   static drafting won 1.5x. A close call (a measured length predicted within ``MARGIN`` of plain decoding, either
+   way) is settled the same way, over the last ``CLOSE_STEPS`` steps of each kind: if its drafting steps realised at
+   least plain decoding's rate, the batch drafts again the length it drafted last (the one that realised it; the
+   close length itself, a shorter one, kept it there, since short drafts never measure the longer positions); if
+   less, its live requests retire. Left to the estimate, the batch decoded plainly with its drafters kept and no new
+   cycle came, and its estimate narrowed onto the cycles that had stopped it, until every request retired for good
+   while static drafting won 1.12x (docs/adaptive-notebook.md, "A close call settled by what happened, drafting the
+   length drafted last").
 """
 
 from __future__ import annotations
@@ -150,6 +157,11 @@ hard requests at c=1 after 8 easy ones was drafted through for 4 of them once th
 CLEAR_WIN = 1.2
 """... and how much faster than plain decoding drafting must have run at a batch size, realised, for the batch to draft
 whatever the prediction says (see :meth:`AutoPlanner.realised_gain`)."""
+
+CLOSE_STEPS = 32
+"""Steps of each kind (drafting, plain) at a batch size that settle a close call (see ``realised_gain``): fewer than
+``REALISED_MIN_STEPS``, since a close call is met right after the batch drafted, with few plain steps at its size; no
+wider, since the call is about the traffic now. Until there are this many of each, the estimate decides alone."""
 
 PRIOR_CYCLES = 256
 """Cycles the session prior spans at most ..."""
@@ -256,6 +268,7 @@ class AutoPlanner:
         self._age = 0  # steps ``_plan`` has served
         self._trial = 0  # consecutive steps of trying a length whose cost is a guess
         self._largest: int | None = None  # the largest batch planned for, as ``(batch - 1).bit_length()``
+        self._last_length = 0  # the length the batch last exploited or tried (a close call that drafting won drafts it)
         self._worth = 1.0  # share of ``EXPLORE_FRACTION`` the time served earns (``FULL_WORTH_GAIN``; 1 until informed)
         # (batch size, drafting) -> its last steps' (tokens committed, seconds over the load they ran at)
         self._realised: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
@@ -307,16 +320,16 @@ class AutoPlanner:
             self.credit_s -= charge
         self.credit_s = min(self.credit_s, self.bank_s)
 
-    def realised_gain(self, batch: int, last: int = REALISED_STEPS) -> float | None:
+    def realised_gain(self, batch: int, last: int = REALISED_STEPS, least: int = REALISED_MIN_STEPS) -> float | None:
         """Tokens per second the session's ``last`` drafting steps at this batch size committed (up to
         ``REALISED_STEPS``), over its last plain steps' (each step's time over the load it ran at, ``CostModel.load``,
-        so that a burst of load during either kind does not decide); None until both kinds ran
-        ``REALISED_MIN_STEPS``. Realised, not predicted: every cost of drafting is in it (a request's first draft
+        so that a burst of load during either kind does not decide); None until both kinds ran ``least``
+        (``REALISED_MIN_STEPS``). Realised, not predicted: every cost of drafting is in it (a request's first draft
         taking in its prompt, cold steps after a stretch of plain ones), and at c=1 it spans some 30 requests where the
         prior's 256 cycles span 2-8 (over 32 steps, one story, it swung between 0.4x and 3.5x in one run; over 256, one
         hard story took it to plain decoding's rate while static drafting won 1.4x)."""
         drafting, plain = self._realised.get((batch, True)), self._realised.get((batch, False))
-        if not drafting or not plain or min(len(drafting), len(plain)) < REALISED_MIN_STEPS:
+        if not drafting or not plain or min(len(drafting), len(plain)) < least:
             return None
         return _rate(list(drafting)[-last:]) / _rate(list(plain)[-last:])
 
@@ -368,18 +381,26 @@ class AutoPlanner:
                     if rates[length] < RECHECK_GAIN * rates[0] and not self.costs.plain_settled(batch):
                         return Plan([0] * batch, "measure", plain_step)  # what it wins by hangs on an unsettled price
                     self._trial = 0
+                    self._last_length = length
                     return Plan(lengths, "exploit", plain_step)
                 # a length priced from the shape alone is a guess: it is tried for a few steps (its first one takes
                 # in the prompts, so only the next ones measure what drafting costs in steady state), if the credit
                 # covers the step's whole extra time (a guess can be far off)
                 if 0 < self._trial < TRIAL_STEPS or self.credit_s > self._extra(batch, len(live), length, plain_step):
                     self._trial += 1
+                    self._last_length = length
                     return Plan(lengths, "trial", plain_step)
             gain = self.realised_gain(batch)  # the prediction says plain: what happened says otherwise (if its last
             # steps did not lose: ``REALISED_MIN_STEPS``)
             if gain is not None and gain >= CLEAR_WIN and self.realised_gain(batch, REALISED_MIN_STEPS) >= 1 - MARGIN:
                 length = max((k for k in rates if k), key=rates.get)
                 self._trial = 0
+                return Plan([min(length, w) for w in wanted], "exploit", plain_step)
+            close = [k for k in rates if k and rates[k] >= (1 - MARGIN) * rates[0]
+                     and self.costs.known(batch, len(live), k)]  # a close call: what happened settles it
+            if close and self._close_call(batch) == "draft":
+                self._trial = 0
+                length = self._last_length if self._last_length in rates else max(close, key=rates.get)
                 return Plan([min(length, w) for w in wanted], "exploit", plain_step)
         self._trial = 0
         judged = capable if self._stale() else wanted  # who a probe is worth making for (``STALE_HORIZONS``)
@@ -389,7 +410,8 @@ class AutoPlanner:
             return Plan(explored, "explore", plain_step)
         if self.informed:
             drafts, rates = auto_length(self.costs, [prior] * batch, capable)
-            if self._loses(rates, capable):  # those not far enough in to be probed yet wait for it ...
+            if self._loses(rates, capable) or self._close_call(batch) == "retire":  # those not far enough in to be
+                # probed yet wait for it ...
                 retiring = [i for i in live if requests[i].ready]
                 if not self._within_reach(capable, drafts, plain_step):  # ... unless it will not come (while the
                     # prior says the batch would draft, on a guessed price the credit can cover, they wait: once they
@@ -421,6 +443,13 @@ class AutoPlanner:
             else:
                 credit -= PROBE_CYCLES * cycle_s
         return unaffordable
+
+    def _close_call(self, batch: int) -> str | None:
+        """How what happened settles a close call at this batch size: "draft" where the last ``CLOSE_STEPS`` drafting
+        steps realised at least the last ``CLOSE_STEPS`` plain steps' rate (``realised_gain``), "retire" where less;
+        None until there are that many of each (the estimate's call stands: plain decoding, drafters kept)."""
+        gain = self.realised_gain(batch, CLOSE_STEPS, least=CLOSE_STEPS)
+        return None if gain is None else "draft" if gain >= 1.0 else "retire"
 
     @staticmethod
     def _retire(requests: list[RequestMemory], live: list[int]) -> None:

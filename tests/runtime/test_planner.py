@@ -9,11 +9,11 @@ import pytest
 from cost_tables import linear_costs
 
 from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
-from dflash_trt.runtime.planner import (CLEAR_WIN, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION, FULL_WORTH_GAIN,
-                                        INFORMED_CYCLES, PRIOR_BATCH_STEPS, PRIOR_CYCLES, PRIOR_HORIZON_STEPS,
-                                        PRIOR_KEEP, PROBE_AFTER_TOKENS, PROBE_CYCLES, REALISED_MIN_STEPS,
-                                        REALISED_STEPS, RECHECK_GAIN, STALE_HORIZONS, TRIAL_STEPS, AutoPlanner, Plan,
-                                        RequestMemory, probe_after, session_prior)
+from dflash_trt.runtime.planner import (CLEAR_WIN, CLOSE_STEPS, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION,
+                                        FULL_WORTH_GAIN, INFORMED_CYCLES, PRIOR_BATCH_STEPS, PRIOR_CYCLES,
+                                        PRIOR_HORIZON_STEPS, PRIOR_KEEP, PROBE_AFTER_TOKENS, PROBE_CYCLES,
+                                        REALISED_MIN_STEPS, REALISED_STEPS, RECHECK_GAIN, STALE_HORIZONS, TRIAL_STEPS,
+                                        AutoPlanner, Plan, RequestMemory, probe_after, session_prior)
 from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound
@@ -230,6 +230,44 @@ def test_what_drafting_realised_outranks_a_prediction_of_plain_decoding(accepted
     assert (planner.realised_gain(1) >= CLEAR_WIN) == (accepted == 5)
     plan = planner.plan([request()])  # a realised loss does not make it draft (it may probe the new request)
     assert (plan.reason == "exploit") == (accepted == 5), plan
+
+
+@pytest.mark.parametrize("accepted, steps, verdict", [(4, CLOSE_STEPS, "draft"), (1, CLOSE_STEPS, "retire"),
+                                                     (4, CLOSE_STEPS - 1, None)])
+def test_what_drafting_realised_lately_settles_a_close_call(accepted, steps, verdict):
+    """A close call: a measured length predicted within ``MARGIN`` of plain decoding (here k=3 at 1.01x). Left to the
+    estimate, the batch decoded plainly with its drafters kept, no cycle came, and the estimate narrowed onto the
+    cycles that had stopped it until every request retired for good, while static drafting won 1.12x (the simulated
+    CPU at c=4 on stories). The last ``CLOSE_STEPS`` drafting and plain steps at the batch size settle it: where
+    drafting realised at least plain decoding's rate (4 accepted drafts a cycle of k=15: 1.46x) the batch drafts again
+    the length it drafted last, k=15, not the shorter close one (short drafts never measure the longer positions, and
+    the batch stayed on k=3 for a whole run); where less (1 accepted: 0.58x) its requests retire; with fewer steps, the
+    estimate's call stands."""
+    costs = measured(MIDDLE)
+    prior = prior_with([(15, 12)] * 100)
+    planner = AutoPlanner(costs, prior)
+    plain_s, cycle_s = costs.step(1, 0, 0), costs.step(1, 1, 15)
+    drafting = request()
+    for _ in range(steps):  # drafting, as the prior predicts: ``accepted`` a cycle
+        assert planner.plan([drafting]).lengths == [15]
+        planner.observed(drafting, 15, accepted)
+        planner.step_took(cycle_s)
+    plain = request(0)
+    for _ in range(steps):  # requests that do not draft
+        assert planner.plan([plain]).lengths == [0]
+        planner.step_took(plain_s)
+    for step in range(256):  # the prior now holds a close call: 70% of cycles accept 1 draft, 30% accept 2
+        prior.observe(15, 1 if step % 10 < 7 else 2)
+    _, rates = auto_length(costs, [prior.conditional()], [15])
+    assert max(rates[k] for k in rates if k) == rates[3] and 1 - MARGIN <= rates[3] / rates[0] < 1 + MARGIN
+    probed = request()
+    for _ in range(PROBE_CYCLES):
+        probed.tracker.observe(15, 1)  # measured already: no probe comes first
+    plan = planner.plan([probed])
+    if verdict == "draft":
+        assert (plan.reason, plan.lengths, probed.retired) == ("exploit", [15], False)
+    else:
+        assert (plan.reason, plan.lengths, probed.retired) == ("plain", [0], verdict == "retire")
 
 
 @pytest.mark.parametrize("hard_steps", [128, 256])
