@@ -400,7 +400,8 @@ class AutoPlanner:
                      and self.costs.known(batch, len(live), k)]  # a close call: what happened settles it
             if close and self._close_call(batch) == "draft":
                 self._trial = 0
-                length = self._last_length if self._last_length in rates else max(close, key=rates.get)
+                drafted = self._last_length  # 0 where only probes drafted: the best close length then
+                length = drafted if drafted and drafted in rates else max(close, key=rates.get)
                 return Plan([min(length, w) for w in wanted], "exploit", plain_step)
         self._trial = 0
         judged = capable if self._stale() else wanted  # who a probe is worth making for (``STALE_HORIZONS``)

@@ -233,7 +233,7 @@ def test_what_drafting_realised_outranks_a_prediction_of_plain_decoding(accepted
 
 
 @pytest.mark.parametrize("accepted, steps, verdict", [(4, CLOSE_STEPS, "draft"), (1, CLOSE_STEPS, "retire"),
-                                                     (4, CLOSE_STEPS - 1, None)])
+                                                     (4, CLOSE_STEPS - 1, None), (4, CLOSE_STEPS, "draft, probes")])
 def test_what_drafting_realised_lately_settles_a_close_call(accepted, steps, verdict):
     """A close call: a measured length predicted within ``MARGIN`` of plain decoding (here k=3 at 1.01x). Left to the
     estimate, the batch decoded plainly with its drafters kept, no cycle came, and the estimate narrowed onto the
@@ -242,7 +242,8 @@ def test_what_drafting_realised_lately_settles_a_close_call(accepted, steps, ver
     drafting realised at least plain decoding's rate (4 accepted drafts a cycle of k=15: 1.46x) the batch drafts again
     the length it drafted last, k=15, not the shorter close one (short drafts never measure the longer positions, and
     the batch stayed on k=3 for a whole run); where less (1 accepted: 0.58x) its requests retire; with fewer steps, the
-    estimate's call stands."""
+    estimate's call stands. Where nothing but probes drafted (no length exploited or tried: "draft, probes"), the batch
+    drafts the best close length."""
     costs = measured(MIDDLE)
     prior = prior_with([(15, 12)] * 100)
     planner = AutoPlanner(costs, prior)
@@ -252,6 +253,8 @@ def test_what_drafting_realised_lately_settles_a_close_call(accepted, steps, ver
         assert planner.plan([drafting]).lengths == [15]
         planner.observed(drafting, 15, accepted)
         planner.step_took(cycle_s)
+    if verdict == "draft, probes":
+        planner._last_length = 0  # as if those steps had been probes
     plain = request(0)
     for _ in range(steps):  # requests that do not draft
         assert planner.plan([plain]).lengths == [0]
@@ -266,6 +269,8 @@ def test_what_drafting_realised_lately_settles_a_close_call(accepted, steps, ver
     plan = planner.plan([probed])
     if verdict == "draft":
         assert (plan.reason, plan.lengths, probed.retired) == ("exploit", [15], False)
+    elif verdict == "draft, probes":
+        assert (plan.reason, plan.lengths, probed.retired) == ("exploit", [3], False)
     else:
         assert (plan.reason, plan.lengths, probed.retired) == ("plain", [0], verdict == "retire")
 
