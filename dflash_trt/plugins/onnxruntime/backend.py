@@ -304,9 +304,17 @@ class _InPlaceDrafter(_InPlaceGraph):
     def __init__(self, session, cache: StaticKVCache) -> None:
         super().__init__(session, cache)
         self.taps_width = next(i.shape[-1] for i in session.get_inputs() if i.name == "taps")
+        self._taps = np.zeros((1, 0, self.taps_width), np.float32)  # the context inputs of every binding, grown as
+        self._context_positions = np.zeros((1, 0), np.int64)  # needed and bound per call (see ``run_row``)
 
     def run_row(self, row: DraftRow) -> Tensor:
-        """Shapes: draft logits ``[Bc - 1, V]``."""
+        """Shapes: draft logits ``[Bc - 1, V]``. A binding per slot and block width; the context inputs, whose length
+        changes from call to call (the rows the last cycle committed, or a prompt), are bound per call as prefixes of
+        buffers shared by all of them. Bound per context length too, a drafting slot's bindings outnumbered
+        ``KEPT_BINDINGS`` (up to 16 context lengths for each block width, and each prompt's), and an ONNX Runtime
+        engine at c=1 made ~450 of them again in one bench command, each 0.25 ms of a 1.3 ms cycle and its forward
+        slower: a block width drafted now and then was priced ~40% above its cost (docs/adaptive-notebook.md,
+        "Drafter bindings per block width")."""
         context, width = row.taps.shape[0], len(row.block)
         past = row.start - context
         assert context >= 1 and past <= self.cache.lengths[row.slot], "draft cache gap"
@@ -314,17 +322,21 @@ class _InPlaceDrafter(_InPlaceGraph):
 
         def buffers():
             inputs = {"block": np.zeros((1, width), np.int64), "block_positions": np.zeros((1, width), np.int64),
-                      "taps": np.zeros((1, context, self.taps_width), np.float32),
-                      "context_positions": np.zeros((1, context), np.int64), "seqlens_k": np.zeros(1, np.int32),
-                      "total_length": np.zeros((), np.int32)}
+                      "seqlens_k": np.zeros(1, np.int32), "total_length": np.zeros((), np.int32)}
             return inputs, {"draft_logits": np.zeros((1, width - 1, self.output_widths["draft_logits"]), np.float32)}
 
-        bound = self._binding(row.slot, 1, (context, width), buffers)
+        bound = self._binding(row.slot, 1, (width,), buffers)
+        if context > self._taps.shape[1]:  # grown (a longer prompt): every call binds them again anyway
+            self._taps = np.zeros((1, max(context, 2 * self._taps.shape[1]), self.taps_width), np.float32)
+            self._context_positions = np.zeros((1, self._taps.shape[1]), np.int64)
+        taps, positions = self._taps[:, :context], self._context_positions[:, :context]  # contiguous prefixes
+        taps[0] = row.taps.numpy()
+        positions[0] = np.arange(past, row.start)
+        _Binding._bind(bound.io.bind_input, "taps", taps)
+        _Binding._bind(bound.io.bind_input, "context_positions", positions)
         inputs = bound.inputs
         inputs["block"][0] = row.block
         inputs["block_positions"][0] = np.arange(row.start, row.start + width)
-        inputs["taps"][0] = row.taps.numpy()
-        inputs["context_positions"][0] = np.arange(past, row.start)
         inputs["seqlens_k"][0] = row.start + width - 1
         inputs["total_length"][...] = row.start + width
         with denormals_flushed():

@@ -111,6 +111,33 @@ def test_backend_calls_match_torch(engine, plugin_engine, full_attention_engines
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
+def test_a_drafting_slot_binds_its_in_place_drafter_once_per_block_width(full_attention_engines):
+    """The one-row drafter keeps a binding per slot and block width; its context inputs, whose length changes from
+    call to call, are bound per call (their shared buffers growing for a longer context). Bound per context length,
+    a slot's bindings outnumbered what is kept and were made again hundreds of times a bench command. The drafts equal
+    the torch backend's through contexts of 2, 9 (grown) and 1 token, and a wider block."""
+    engine = full_attention_engines[None]
+    pair = Session.load(engine, "torch").pair
+    ort_backend = OrtBackend(pair.target.config, pair.draft.config, engine / "onnx" / "target_step.onnx",
+                             engine / "onnx" / "draft.onnx", 512, max_batch=4, graphs=read_manifest(engine).graphs,
+                             draft_step_graph=engine / "onnx" / "draft_step.onnx")
+    torch_backend = TorchBackend(pair, 512, 4)
+    taps_width = ort_backend._draft_step.taps_width
+    generator = torch.Generator().manual_seed(0)
+    for backend in (ort_backend, torch_backend):
+        backend.reset_slot(0)
+    start = 0
+    for context, width in ((2, 4), (9, 4), (1, 4), (1, 8)):
+        start += context
+        taps = torch.randn(context, taps_width, generator=generator)
+        row = DraftRow(0, [5] + [0] * (width - 1), taps, start)
+        (got,), (expected,) = ort_backend.draft_batch([row]), torch_backend.draft_batch([row])
+        assert got.shape == expected.shape == (width - 1, pair.draft.config.vocab_size)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert list(ort_backend._draft_step._bindings) == [(0, 1, 4), (0, 1, 8)]
+    assert ort_backend._draft_step._taps.shape[1] == 9
+
+
 def test_target_caches_are_updated_in_place_one_call_per_run_of_slots(engine):
     """Rows in consecutive slots share one call whose cache inputs *and* present outputs are views of the slot
     buffers (the attention nodes extend them in place): prompts of different lengths right-padded together, then
