@@ -312,9 +312,9 @@ class _InPlaceDrafter(_InPlaceGraph):
         changes from call to call (the rows the last cycle committed, or a prompt), are bound per call as prefixes of
         buffers shared by all of them. Bound per context length too, a drafting slot's bindings outnumbered
         ``KEPT_BINDINGS`` (up to 16 context lengths for each block width, and each prompt's), and an ONNX Runtime
-        engine at c=1 made ~450 of them again in one bench command, each 0.25 ms of a 1.3 ms cycle and its forward
-        slower: a block width drafted now and then was priced ~40% above its cost (docs/adaptive-notebook.md,
-        "Drafter bindings per block width")."""
+        engine at c=1 made ~450 of them again in one bench command, each 0.25 ms of a 1.3 ms cycle: the first steps at a
+        block width drafted now and then ran ~40% slower than its steady ones, and the width was priced ~30% above its
+        cost (docs/adaptive-notebook.md, "Drafter bindings per block width")."""
         context, width = row.taps.shape[0], len(row.block)
         past = row.start - context
         assert context >= 1 and past <= self.cache.lengths[row.slot], "draft cache gap"
