@@ -396,8 +396,7 @@ class AutoPlanner:
                 length = max((k for k in rates if k), key=rates.get)
                 self._trial = 0
                 return Plan([min(length, w) for w in wanted], "exploit", plain_step)
-            close = [k for k in rates if k and rates[k] >= (1 - MARGIN) * rates[0]
-                     and self.costs.known(batch, len(live), k)]  # a close call: what happened settles it
+            close = self._close_lengths(rates, batch, len(live))  # a close call: what happened settles it
             if close and self._close_call(batch) == "draft":
                 self._trial = 0
                 drafted = self._last_length  # 0 where only probes drafted: the best close length then
@@ -464,9 +463,13 @@ class AutoPlanner:
         the guess could win (on an ONNX Runtime engine at batch 16, plain steps with drafters 1.73 ms against
         1.55 ms, for a k=7 trial the credit never covered and that lost: static k=15 measured 0.55x plain there).
         ``rates``: ``auto_length``'s for the session prior and every request with a drafter (``capable``)."""
-        batch, drafting = len(capable), sum(1 for w in capable if w)
-        return not any(rate >= (1 - MARGIN) * rates[0] for k, rate in rates.items()
-                       if k and self.costs.known(batch, drafting, k))
+        return not self._close_lengths(rates, len(capable), sum(1 for w in capable if w))
+
+    def _close_lengths(self, rates: dict[int, float], batch: int, drafting: int) -> list[int]:
+        """The lengths whose cost traffic measured (``drafting`` rows of ``batch``) that ``rates`` predicts to lose to
+        plain decoding by less than ``MARGIN``, or to win by any margin."""
+        return [k for k, rate in rates.items()
+                if k and rate >= (1 - MARGIN) * rates[0] and self.costs.known(batch, drafting, k)]
 
     def _could_gain(self, batch: int, drafting: int, longest: int, plain_step: float) -> bool:
         """Would any length beat plain decoding at this batch, in steady state, if every draft were accepted?"""
