@@ -18,7 +18,8 @@ given arguments, and records, for the adaptive session only:
   included), the tokens it committed, and whether a drafting row took in context (a first draft). Per pass of more
   than one step this prints its steps, its wall time, and where the time went (steps at its full batch, at a smaller
   one, drafting steps, plain steps where some row keeps a drafter, time outside the steps: admitting and prefilling
-  requests).
+  requests); and per bench mode, batch size and verify width, the median steady step (no row took in context) and its
+  verify, draft and the rest, which the simulated CPU's costs are compared with (``dflash_trt/bench/sim_regimes.py``).
 - with ``--mode static`` (or ``off``), ``--steps`` records the steps of the sessions of that mode instead: a static
   (or plain) server's, to set its step times beside an adaptive server's (decisions stay the adaptive session's).
 
@@ -129,6 +130,7 @@ def main() -> None:
                     out.write("\t".join(str(v) if isinstance(v, (bool, int, str)) else f"{v * 1e3:.4f}" if i < 8
                                         else f"{v:.6f}" for i, v in enumerate(row)) + "\n")
             summarise_passes(steps)
+            summarise_step_costs(steps)
 
 
 def summarise(decisions: list[tuple], overheads: dict[bool, list[float]], deciding: dict[str, list[float]]) -> None:
@@ -179,6 +181,24 @@ def summarise_passes(steps: list[tuple]) -> None:
                            part("drafting", [s for s in run if s[2]]),
                            part("plain with a drafter kept", [s for s in run if not s[2] and s[4]])])
               + f"; outside the steps {(wall - in_steps) * 1e3:.0f} ms")
+    sys.stdout.flush()
+
+
+def summarise_step_costs(steps: list[tuple], least: int = 20) -> None:
+    """Per bench mode, batch size and verify width, over the steady steps (no row took in context; at least ``least``
+    of them): the median step, verify, draft and the rest of the step (deciding included). The simulated CPU's costs
+    (``dflash_trt/bench/sim_regimes.py``, ``cpu``) are compared with these."""
+    kept: dict[tuple[str, int, int], list[tuple]] = {}
+    for step in steps:
+        if step[10] != "warm-up" and not step[12]:
+            kept.setdefault((step[10], step[1], step[3]), []).append(step)
+    for (mode, batch, width), chosen in sorted(kept.items()):
+        if len(chosen) < least:
+            continue
+        medians = [statistics.median(s[i] for s in chosen) * 1e3 for i in (5, 6, 7)]
+        other = statistics.median(s[5] - s[6] - s[7] for s in chosen) * 1e3
+        print(f"{mode}, steady steps at batch {batch}, verify width {width}: {len(chosen)}, median {medians[0]:.3f} ms "
+              f"(verify {medians[1]:.3f}, draft {medians[2]:.3f}, the rest {other:.3f})")
     sys.stdout.flush()
 
 

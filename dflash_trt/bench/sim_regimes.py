@@ -11,7 +11,9 @@ computed), and the host time of a scheduler step outside its forwards:
   11 us more per row: plain steps of drafting requests took 1.73 ms against plain requests' 1.55 ms at batch 16
   (``tools/plain_steps_ab.py``, docs/adaptive-notebook.md, "Waiting for a guess"). Draft calls are priced batched (the
   torch backend's; the engine's drafter takes one request per call, which makes drafting dearer at c > 1 than
-  here).
+  here). These are the machine's slower state: on a fast stretch of a later day plain steps at c=1 ran 0.34 ms and
+  k=7 and k=15 steps cost 3.2 and 3.9 of them (here 2.55 and 3.2; ``tools/auto_trace.py --steps``,
+  docs/adaptive-notebook.md, "The engine at c=1 on a noisy day").
 - ``cpu-0.6b``: a Qwen3-0.6B-shaped target with a 1-layer drafter (tools/make_checkpoints.py), torch eager
   float32 on the same CPU, from one ``dflash-trt bench ... --concurrency 1 --max-new-tokens 32`` cell: plain
   verify 142 ms, verify(16) 389 ms, draft(16) 177 ms, 0.2 ms / 2.2 ms of other work per plain / drafting

@@ -36,6 +36,20 @@ def test_each_pass_says_where_its_time_went(capsys):
                                        "drafting 1 (3 ms), plain with a drafter kept 1 (2 ms); outside the steps 3 ms\n")
 
 
+def test_step_costs_are_medians_of_the_steady_steps_per_mode_batch_and_width(capsys):
+    """What the simulated CPU's costs are fitted to: steps where a row took in context, warm-up steps and groups of
+    fewer than ``least`` steps are left out."""
+    plain = [step(0.001 * i, 1, "ar_auto", batch=1, seconds=s) for i, s in enumerate((0.001, 0.002, 0.003), 1)]
+    drafting = [step(0.01 + 0.001 * i, 2, batch=1, draft_rows=1, seconds=0.004) for i in range(2)]
+    cold = [(*drafting[0][:12], True)]  # took in context: a one-off
+    warm = [step(0.0, 0, "warm-up", batch=1, seconds=0.009)]
+    trace.summarise_step_costs(plain + drafting + cold + warm, least=2)
+    assert capsys.readouterr().out == (
+        "ar_auto, steady steps at batch 1, verify width 1: 3, median 2.000 ms (verify 1.000, draft 0.000, the rest "
+        "1.000)\ndflash_auto, steady steps at batch 1, verify width 4: 2, median 4.000 ms (verify 2.000, draft 0.000, "
+        "the rest 2.000)\n")
+
+
 def test_mode_static_records_the_steps_of_a_static_session(tmp_path):
     """``--mode static`` records a static session's steps (a static server's, to compare its step times with an
     adaptive server's): here the benchmark's static passes, whose drafting steps verify the full block, and none of its
