@@ -37,8 +37,8 @@ def test_each_pass_says_where_its_time_went(capsys):
 
 
 def test_step_costs_are_medians_of_the_steady_steps_per_mode_batch_and_width(capsys):
-    """What the simulated CPU's costs are fitted to: steps where a row took in context, warm-up steps and groups of
-    fewer than ``least`` steps are left out."""
+    """What the simulated CPU's costs are compared with: steps where a row took in context, warm-up steps and groups
+    of fewer than ``least`` steps are left out."""
     plain = [step(0.001 * i, 1, "ar_auto", batch=1, seconds=s) for i, s in enumerate((0.001, 0.002, 0.003), 1)]
     drafting = [step(0.01 + 0.001 * i, 2, batch=1, draft_rows=1, seconds=0.004) for i in range(2)]
     cold = [(*drafting[0][:12], True)]  # took in context: a one-off
