@@ -42,8 +42,7 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    session probes a request once it is ``PROBE_AFTER_TOKENS`` into its response: its first cycles are not like the
    rest (a cold session probes at once: anything it learns beats nothing). While the informed prior holds fewer than
    ``SURE_CYCLES`` cycles and a win stays plausible on them (``PLAUSIBLE_SE``), a request already probed is probed
-   again: two cycles a request were slow to correct an unlucky estimate while the batch decoded plainly (and a batch of
-   one does not retire meanwhile).
+   again: two cycles a request were slow to correct an unlucky estimate while the batch decoded plainly.
 5. **Retire.** When the informed prior says plain decoding for this batch, the live requests stop drafting
    for good (their verify forwards stop computing context taps: on a CPU at batch 16 those cost ~10% of a
    step; on an engine at batch 16, up to 1.5x a plain request's step). They keep their drafter only on a close call:
@@ -196,14 +195,8 @@ SURE_CYCLES = 64
 that was probed already is probed again while a win stays plausible on the prior's cycles (``PLAUSIBLE_SE``). Two cycles
 a request corrected an unlucky estimate slowly while the batch decoded plainly: on the simulated H200 at T=1 and c=1, a
 cold start on a response whose first 9 positions were rejected kept 1,424 of 3,350 steps plain (0.93 of static k=15;
-docs/adaptive-notebook.md, "Probed again while a win is plausible"). A batch of one does not retire meanwhile if the
-win is plausible on a length whose cost traffic measured: at c=1 a request that retires decodes the rest of its response
-plainly, and the first stories of the benchmark's prompts are hard ones (τ 3.85 and 2.15 where the set averages 4.66),
-so requests retired one after another on an estimate of them while static drafting won 1.3-1.5x (the simulator
-replaying those prompts at c=1: 0.960 → 0.981 of the best fixed choice; docs/adaptive-notebook.md, "A batch of one
-waits while the estimate is unsettled"). At larger batches waiting cost more than it won where drafting loses. Without
-this bound, a prior of many cycles that still left a win plausible kept probing, and lost 0.07-0.14 of the best fixed
-choice in three simulated cells ..."""
+docs/adaptive-notebook.md, "Probed again while a win is plausible"). Without this bound, a prior of many cycles that
+still left a win plausible kept probing, and lost 0.07-0.14 of the best fixed choice in three simulated cells ..."""
 
 PLAUSIBLE_SE = 2.0
 """... and a win is plausible where the prior, each position's accepted count moved up by this many standard deviations
@@ -417,10 +410,8 @@ class AutoPlanner:
             return Plan(explored, "explore", plain_step)
         if self.informed:
             drafts, rates = auto_length(self.costs, [prior] * batch, capable)
-            lone_waits = batch == 1 and self._unsettled(prior, capable, measured=True)  # to be probed again while the
-            # verdict is unsettled (``SURE_CYCLES``)
-            if (self._loses(rates, capable) or self._close_call(batch) == "retire") and not lone_waits:  # those not far
-                # enough in to be probed yet wait for it ...
+            if self._loses(rates, capable) or self._close_call(batch) == "retire":  # those not far enough in to be
+                # probed yet wait for it ...
                 retiring = [i for i in live if requests[i].ready]
                 if not self._within_reach(capable, drafts, plain_step):  # ... unless it will not come (while the
                     # prior says the batch would draft, on a guessed price the credit can cover, they wait: once they
@@ -511,17 +502,14 @@ class AutoPlanner:
         age, horizon = self.prior.oldest_age, self.prior.horizon
         return age is not None and horizon is not None and age >= STALE_HORIZONS * horizon
 
-    def _unsettled(self, prior: list[float], wanted: list[int], measured: bool = False) -> bool:
+    def _unsettled(self, prior: list[float], wanted: list[int]) -> bool:
         """Could the informed prior's verdict of plain decoding be wrong for lack of cycles (``SURE_CYCLES``)? Then a
-        ready request already probed is probed again (``_explore``, as the credit covers it), and a batch of one does
-        not retire if the win is plausible on a length whose cost traffic measured (``measured``: a guessed price keeps
-        no drafter waiting, see ``_loses``). ``wanted``: each row's longest draft, 0 for rows without a drafter."""
+        ready request already probed is probed again (``_explore``, as the credit covers it). ``wanted``: each row's
+        longest draft, 0 for rows without a drafter."""
         if len(self.prior.cycles) >= SURE_CYCLES:
             return False
-        batch, drafting = len(wanted), sum(1 for w in wanted if w)
-        _, rates = auto_length(self.costs, [self._plausible(prior)] * batch, wanted)
-        return any(rate > (1 + MARGIN) * rates[0] and (not measured or self.costs.known(batch, drafting, k))
-                   for k, rate in rates.items() if k)
+        _, rates = auto_length(self.costs, [self._plausible(prior)] * len(wanted), wanted)
+        return any(rate > (1 + MARGIN) * rates[0] for k, rate in rates.items() if k)
 
     def _plausible(self, prior: list[float]) -> list[float]:
         """The prior with the accepted count of each position moved up by ``PLAUSIBLE_SE`` standard deviations (of a

@@ -512,21 +512,6 @@ def test_an_informed_session_probes_a_request_once_it_is_into_its_response_and_a
     assert AutoPlanner(measured(GPU), AcceptanceTracker(256, 64)).plan([cold]).reason == "explore"
 
 
-@pytest.mark.parametrize("cycles, retires", [(12, False), (24, True)])
-def test_a_lone_request_does_not_retire_on_an_estimate_too_thin_to_settle_it(cycles, retires):
-    """At c=1 a request that retires decodes the rest of its response plainly; on 12 cycles a prior that predicts plain
-    decoding still leaves a win plausible (``_unsettled``), so a probed request waits, with its drafter, to be probed
-    again. On 24 the verdict is settled and it retires (an ONNX Runtime engine at c=1, whose benchmark starts on hard
-    stories: docs/adaptive-notebook.md, "A batch of one waits while the estimate is unsettled")."""
-    planner = AutoPlanner(measured(MIDDLE), prior_with([(15, 1)] * cycles))
-    planner.plan([request()])  # (the batch size served: no new starting bank for it below)
-    planner.credit_s = 0.0  # no probe now: only the retirement rule is at work
-    lone = request()
-    for _ in range(PROBE_CYCLES):
-        lone.tracker.observe(15, 1)
-    assert planner.plan([lone]).lengths == [0] and lone.retired == retires
-
-
 def test_a_request_keeps_its_drafter_while_it_waits_only_if_the_credit_will_pay_its_probe():
     """While a request waits to be probed, every verify of its batch hands over context taps for its drafter (11 us a
     row on an ONNX Runtime engine). Where the prior says plain decoding and the credit will not cover a probe by the
