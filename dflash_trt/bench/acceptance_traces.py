@@ -37,6 +37,7 @@ class Workload:
     block_len: int
     prompt_lengths: tuple[int, ...]
     requests: tuple[tuple[int, ...], ...]
+    temperature: float = 0.0  # what the requests were sampled at (0: greedy); the simulator's requests say so
 
     @property
     def tau(self) -> float:
@@ -69,8 +70,9 @@ class Workload:
         return [total / count if count else None for total, count in zip(totals, counts)]
 
     def to_dict(self) -> dict:
-        return {"description": self.description, "block_len": self.block_len, "tau": round(self.tau, 3),
-                "prompt_lengths": list(self.prompt_lengths), "requests": [list(r) for r in self.requests]}
+        return {"description": self.description, "block_len": self.block_len, "temperature": self.temperature,
+                "tau": round(self.tau, 3), "prompt_lengths": list(self.prompt_lengths),
+                "requests": [list(r) for r in self.requests]}
 
 
 def load(path: str | Path | None = None) -> dict[str, Workload]:
@@ -90,7 +92,7 @@ def load(path: str | Path | None = None) -> dict[str, Workload]:
         raise RequestError(f"{source}: format is {data.get('format')!r} v{data.get('version')!r}; expected "
                            f"{FORMAT!r} v{VERSION}. Fix: re-record it with `python tools/simulate_policy.py record`.")
     return {name: Workload(name, w["description"], int(w["block_len"]), tuple(w["prompt_lengths"]),
-                           tuple(tuple(r) for r in w["requests"]))
+                           tuple(tuple(r) for r in w["requests"]), float(w.get("temperature", 0.0)))
             for name, w in data["workloads"].items()}
 
 
@@ -120,7 +122,7 @@ def record(name: str, description: str, dataset: str, temperature: float, num_pr
         results = [h.result() for h in handles]
         block_len = session.default_block_len
     return Workload(name, description, block_len, tuple(len(r.prompt_ids) for r in results),
-                    tuple(tuple(produced - 1 for produced in r.acceptance_lengths) for r in results))
+                    tuple(tuple(produced - 1 for produced in r.acceptance_lengths) for r in results), temperature)
 
 
 def synthetic(name: str, description: str, alphas: list[float], prompt_lengths: list[int], output_tokens: int,
@@ -146,10 +148,10 @@ def switched(first: Workload, then: Workload, first_requests: int, then_requests
     """Traffic whose workload changes once: ``first_requests`` requests of ``first``, then ``then_requests`` of
     ``then`` (each taken in its recorded order, from its start again if it has fewer). Served from its first request
     (``simulate.run(..., offset=0)``), a session meets the change after ``first_requests``."""
-    if first.block_len != then.block_len:
-        raise ConfigError(f"the workloads' block lengths differ ({first.name}: {first.block_len}, {then.name}: "
-                          f"{then.block_len}); expected one. Fix: switch between workloads recorded at one block "
-                          "length.")
+    if first.block_len != then.block_len or first.temperature != then.temperature:
+        raise ConfigError(f"the workloads' block lengths or temperatures differ ({first.name}: {first.block_len}, "
+                          f"T={first.temperature:g}; {then.name}: {then.block_len}, T={then.temperature:g}); expected "
+                          "one of each. Fix: switch between workloads recorded at one block length and temperature.")
     for name, value in (("first_requests", first_requests), ("then_requests", then_requests)):
         if value < 1:
             raise ConfigError(f"{name} is {value}; expected 1 or more. Fix: pass a positive {name}.")
@@ -157,7 +159,7 @@ def switched(first: Workload, then: Workload, first_requests: int, then_requests
     return Workload(f"{first.name}_then_{then.name}", f"{first_requests} requests of {first.name}, then "
                     f"{then_requests} of {then.name}", first.block_len,
                     tuple(w.prompt_lengths[i % len(w.requests)] for w, i in picked),
-                    tuple(w.requests[i % len(w.requests)] for w, i in picked))
+                    tuple(w.requests[i % len(w.requests)] for w, i in picked), first.temperature)
 
 
 def mixed_lengths(workload: Workload, every: int, joined: int) -> Workload:
@@ -171,4 +173,4 @@ def mixed_lengths(workload: Workload, every: int, joined: int) -> Workload:
     requests = tuple(tuple(a for j in range(joined) for a in workload.requests[(i + j) % count])
                      if i % every == every - 1 else workload.requests[i] for i in range(count))
     return Workload(f"{workload.name}_mixed", f"{workload.description}; every {every}th request {joined}x as long",
-                    workload.block_len, workload.prompt_lengths, requests)
+                    workload.block_len, workload.prompt_lengths, requests, workload.temperature)

@@ -18,7 +18,8 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    the most predicted tokens per second for the batch (0 unless it beats plain decoding by ``MARGIN``), and
    every live request drafts it. One estimate for the whole session, not one per request: a request's own
    recent cycles predict its next one poorly (under sampling, cycles are close to independent), and following
-   them through bad stretches left the full block, which wins at c=1 on a memory-bound GPU, on the table.
+   them through bad stretches left the full block, which wins at c=1 on a memory-bound GPU, on the table. In a batch
+   of one, a greedy request's own cycles are blended in once it was probed (``OWN_WEIGHT``).
    A length whose cost at this batch traffic did not measure (the shape's guess) is a *trial*: every live request
    drafts it for ``TRIAL_STEPS`` steps, if the exploration credit covers the step's predicted extra time; then it is
    measured, and exploited or not.
@@ -219,6 +220,15 @@ probe judged for the whole batch" and "Tried and dropped: an estimate that learn
 HOPEFUL_PSEUDO = 4.0
 """Accepted pseudo-cycles per position in the optimistic estimate that gates exploration."""
 
+OWN_WEIGHT = 4.0
+"""In a batch of one, a greedy request that drafted ``PROBE_CYCLES`` cycles is predicted by its own recent cycles
+smoothed toward the session prior with this many pseudo-cycles (``AutoPlanner._estimates``): a lone request's step is
+its own, and at T=0 a story's difficulty lasts through its response. On the session prior alone, after two hard
+stories the next easy ones were probed and decoded plainly one after another, because each new request's two probe
+cycles replaced two of the 16 the prior keeps (an ONNX Runtime engine at c=1, one pass of 16 stories: 0.63-0.84 of
+static k=15's 1.6x). Not for sampled requests, whose cycles are close to independent: there it put the simulated GPUs'
+T=1 stories at c=1 below the bar (docs/adaptive-notebook.md, "A greedy lone request judged by its own cycles")."""
+
 
 @dataclass
 class RequestMemory:
@@ -232,6 +242,7 @@ class RequestMemory:
     # probe kept a cold session at 32k-token prompts from ever measuring its drafter
     generated: int = 0  # tokens committed after its first (set by the scheduler each step)
     probe_after: int = 0  # ``generated`` it reaches before it is probed (``probe_after``: PROBE_AFTER_TOKENS at most)
+    greedy: bool = True  # decoded at temperature 0 (its own cycles then say how its response goes on: ``OWN_WEIGHT``)
 
     @property
     def probed(self) -> bool:
@@ -369,11 +380,12 @@ class AutoPlanner:
             self._worth = 0.0
             return Plan([0] * batch, "hopeless", plain_step)
         prior = self.prior.conditional()
+        estimates = self._estimates(requests, prior)
         wanted = [r.wanted if i in live else 0 for i, r in enumerate(requests)]
         if self.informed:
             _, hopeful = auto_length(self.costs, [self._hopeful(prior)] * batch, capable)  # what a probe could find
             self._worth = min(max((max(hopeful.values()) / hopeful[0] - 1) / FULL_WORTH_GAIN, 0.0), 1.0)
-            _, rates = auto_length(self.costs, [prior] * batch, wanted)
+            _, rates = auto_length(self.costs, estimates, wanted)
             for length in sorted((k for k in rates if k and rates[k] > (1 + MARGIN) * rates[0]), key=rates.get,
                                  reverse=True):
                 lengths = [min(length, w) for w in wanted]
@@ -405,11 +417,11 @@ class AutoPlanner:
         self._trial = 0
         judged = capable if self._stale() else wanted  # who a probe is worth making for (``STALE_HORIZONS``)
         could_pay = cache(lambda: self._probe_could_pay(prior, judged))  # asked up to twice below: worked out once
-        explored = self._explore(requests, wanted, prior, plain_step, could_pay)
+        explored = self._explore(requests, wanted, prior, estimates, plain_step, could_pay)
         if explored is not None:
             return Plan(explored, "explore", plain_step)
         if self.informed:
-            drafts, rates = auto_length(self.costs, [prior] * batch, capable)
+            drafts, rates = auto_length(self.costs, estimates, capable)
             if self._loses(rates, capable) or self._close_call(batch) == "retire":  # those not far enough in to be
                 # probed yet wait for it ...
                 retiring = [i for i in live if requests[i].ready]
@@ -417,13 +429,13 @@ class AutoPlanner:
                     # prior says the batch would draft, on a guessed price the credit can cover, they wait: once they
                     # are live, it may try it)
                     waiting = [i for i in live if not requests[i].ready]
-                    retiring += self._unaffordable_waits(requests, waiting, prior, plain_step, could_pay)
+                    retiring += self._unaffordable_waits(requests, waiting, estimates, plain_step, could_pay)
                 self._retire(requests, retiring)
         elif not could_pay():  # a cold batch no probe can teach (``_within_reach``)
             self._retire(requests, live)
         return Plan([0] * batch, "plain", plain_step)
 
-    def _unaffordable_waits(self, requests: list[RequestMemory], waiting: list[int], prior: list[float],
+    def _unaffordable_waits(self, requests: list[RequestMemory], waiting: list[int], estimates: list[list[float]],
                             plain_step: float, could_pay: Callable[[], bool]) -> list[int]:
         """The waiting requests whose probe the credit will not cover by the time they are ready (those closest to
         ready first; the credit grows by what the steps until then earn), or that ``_explore`` would not probe at all:
@@ -432,7 +444,7 @@ class AutoPlanner:
         if not waiting or not could_pay():
             return waiting
         length, cycle_s = self._probe([requests[i].wanted if i == waiting[0] else 0 for i in range(len(requests))],
-                                      prior, plain_step)
+                                      estimates, plain_step)
         if not length:
             return waiting
         earned_per_step = EXPLORE_FRACTION * self._worth * plain_step
@@ -477,8 +489,8 @@ class AutoPlanner:
         return any((batch + drafting * k) / self.costs.step(batch, drafting, k) > (1 + MARGIN) * plain
                    for k in self.costs.draft_len_candidates(longest) if k)
 
-    def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float], plain_step: float,
-                 could_pay: Callable[[], bool]) -> list[int] | None:
+    def _explore(self, requests: list[RequestMemory], wanted: list[int], prior: list[float],
+                 estimates: list[list[float]], plain_step: float, could_pay: Callable[[], bool]) -> list[int] | None:
         """Drafts for the requests not yet probed (or probed, but ready while the prior is unsettled: ``_unsettled``),
         at the length the prior expects to run fastest (``_probe``), if a better drafter would pay at this batch
         (``could_pay``: ``_probe_could_pay`` for the batch) and the credit covers a cycle's predicted net cost; else
@@ -494,7 +506,7 @@ class AutoPlanner:
             return None
         chosen = set(explorers)
         probing = [w if i in chosen else 0 for i, w in enumerate(wanted)]
-        length, cycle_s = self._probe(probing, prior, plain_step)
+        length, cycle_s = self._probe(probing, estimates, plain_step)
         return [min(length, w) for w in probing] if length and cycle_s <= self.credit_s else None
 
     def _stale(self) -> bool:
@@ -541,17 +553,25 @@ class AutoPlanner:
         """What a step of ``drafting`` rows drafting ``length`` is predicted to cost over a plain step of the batch."""
         return self.costs.step(batch, drafting, length) - plain_step
 
-    def _probe(self, probing: list[int], prior: list[float], plain_step: float) -> tuple[int, float]:
-        """The length a probe of the rows with ``probing[i] > 0`` drafts, the one the prior expects to run fastest,
-        and what one cycle of it is predicted to cost over plain decoding's time for the tokens the prior expects it to
-        commit; (0, 0.0) where no length is a candidate."""
+    def _probe(self, probing: list[int], estimates: list[list[float]], plain_step: float) -> tuple[int, float]:
+        """The length a probe of the rows with ``probing[i] > 0`` drafts, the one their ``estimates`` (``_estimates``)
+        expect to run fastest, and what one cycle of it is predicted to cost over plain decoding's time for the tokens
+        they expect it to commit; (0, 0.0) where no length is a candidate."""
         batch, rows = len(probing), [w for w in probing if w]
-        _, rates = auto_length(self.costs, [prior] * batch, probing)
+        _, rates = auto_length(self.costs, estimates, probing)
         length = max((k for k in rates if k), key=rates.get, default=0)
         if not length:
             return 0, 0.0
-        tokens = batch + sum(expected_tokens(prior, min(length, w)) - 1 for w in rows)
+        tokens = batch + sum(expected_tokens(alphas, min(length, w)) - 1 for alphas, w in zip(estimates, probing) if w)
         return length, self.costs.step(batch, len(rows), length) - plain_step * tokens / batch
+
+    @staticmethod
+    def _estimates(requests: list[RequestMemory], prior: list[float]) -> list[list[float]]:
+        """Each row's acceptance estimate: the session prior; in a batch of one, a greedy request that drafted
+        ``PROBE_CYCLES`` cycles by its own recent cycles smoothed toward the prior (``OWN_WEIGHT``)."""
+        if len(requests) == 1 and requests[0].greedy and requests[0].probed:
+            return [requests[0].tracker.conditional(prior=prior, weight=OWN_WEIGHT)]
+        return [prior] * len(requests)
 
     def _hopeful(self, prior: list[float]) -> list[float]:
         """Per position, the better of: halfway from the prior's α to 1 (a request better than average), and

@@ -41,7 +41,8 @@ class _Active:
     def __init__(self, state: RequestState, sink: Sink, cancelled: threading.Event, window: int) -> None:
         self.state, self.sink, self.cancelled = state, sink, cancelled
         self.memory = RequestMemory(state.block_len - 1, AcceptanceTracker(window, max(state.block_len - 1, 1)),
-                                    probe_after=probe_after(state.params.max_new_tokens))
+                                    probe_after=probe_after(state.params.max_new_tokens),
+                                    greedy=state.params.temperature == 0)
 
 
 class Scheduler:

@@ -115,7 +115,6 @@ CLOSE_CALL = ("drafting wins 5% here (static k=7 1.05x plain): probed again whil
               "k=3 and k=7 on guessed prices and reached 1.00x plain, 0.95 of static k=7 (docs/adaptive-notebook.md, "
               "\"Probed again while a win is plausible\")")
 TABLE_MISSES: dict[tuple[str, int, str, int], str] = {  # (regime, concurrency, workload, seed) -> why auto misses
-    ("h200-32k", 4, "stories_t0", 1): COLD_PROBE_INTAKE,
     ("h200-32k", 16, "stories_t0", 1): COLD_PROBE_INTAKE,
     ("cpu", 4, "stories_t0", 1): CLOSE_CALL,
 }

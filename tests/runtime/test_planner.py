@@ -14,7 +14,7 @@ from dflash_trt.runtime.planner import (CLEAR_WIN, CLOSE_STEPS, COLD_CAP_S, COLD
                                         PRIOR_HORIZON_STEPS, PRIOR_KEEP, PROBE_AFTER_TOKENS, PROBE_CYCLES,
                                         REALISED_MIN_STEPS, REALISED_STEPS, RECHECK_GAIN, STALE_HORIZONS, TRIAL_STEPS,
                                         AutoPlanner, Plan, RequestMemory, probe_after, session_prior)
-from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length
+from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length, expected_tokens
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound
 GPU = dict(verify_base=1e-3, verify_per_token=1e-7, draft_base=3e-4, draft_per_token=1e-7)  # width ~free
@@ -347,12 +347,13 @@ def engine_like_costs(scale: float = 1.0, drafting_overhead: bool = True) -> Cos
     return costs
 
 
-def serve_one_by_one(planner: AutoPlanner, costs: CostModel, requests: list[tuple[int, int]]) -> list[list[int]]:
+def serve_one_by_one(planner: AutoPlanner, costs: CostModel, requests: list[tuple[int, int]],
+                     greedy: bool = True) -> list[list[int]]:
     """Requests served one after another at batch 1, each ``(new tokens, drafts accepted per cycle)``, every step
     costing what ``costs`` predicts; returns each request's draft length per step."""
     served = []
     for tokens, accept in requests:
-        memory, produced, lengths = request(), 0, []
+        memory, produced, lengths = RequestMemory(15, AcceptanceTracker(16, 15), greedy=greedy), 0, []
         while produced < tokens:
             length = planner.plan([memory]).lengths[0]
             costs.record("verify", 1, length + 1, costs.verify(1, length + 1))  # what the scheduler measures
@@ -389,12 +390,13 @@ def test_a_cold_session_whose_first_requests_draft_badly_drafts_for_the_good_one
 def test_a_stretch_of_hard_requests_does_not_keep_the_easy_ones_after_it_plain():
     """After a stretch the drafter does badly on the batch decodes plainly, and then only probes (2 cycles a request)
     fed the session prior: a window of 256 cycles kept the hard stretch for ~128 requests, and the easy requests
-    after it decoded plainly too. The prior also forgets cycles ``PRIOR_HORIZON_STEPS`` request-steps old."""
+    after it decoded plainly too. The prior also forgets cycles ``PRIOR_HORIZON_STEPS`` request-steps old. Sampled
+    requests (a greedy lone request is judged by its own cycles too: ``OWN_WEIGHT``, the next test)."""
     easy, hard = (128, 5), (128, 1)
     requests = [easy] * 8 + [hard] * 8 + [easy] * 16
     for prior, recovers in ((AcceptanceTracker(PRIOR_CYCLES, 64), False), (session_prior(), True)):
         costs = engine_like_costs()
-        served = serve_one_by_one(AutoPlanner(costs, prior), costs, requests)
+        served = serve_one_by_one(AutoPlanner(costs, prior), costs, requests, greedy=False)
         assert all(all(lengths) for lengths in served[1:8])  # easy: every step drafts
         # the rest of the hard stretch decodes plainly, but for its probes and a few steps while what drafting
         # realised lately (``REALISED_MIN_STEPS``, some of it the easy requests') still broke even
@@ -406,6 +408,34 @@ def test_a_stretch_of_hard_requests_does_not_keep_the_easy_ones_after_it_plain()
         assert (after[0] > 0.9) is recovers, after
         # and so do the next ones: the hard cycles are 256 request-steps old (with the window alone, never)
         assert all(share == 1.0 for share in after[1:]) is recovers, after
+
+
+def test_a_greedy_lone_request_is_judged_by_its_own_probe_as_well_as_the_session_prior():
+    """In a batch of one, a probed greedy request's estimate is its own cycles smoothed toward the session prior
+    (``OWN_WEIGHT``): after two hard stories, easy ones were probed and decoded plainly one after another while each
+    new request's two probe cycles replaced two of the 16 the prior keeps (an ONNX Runtime engine at c=1, one pass of
+    16 stories). Greedy, the easy requests after a hard stretch draft even where the prior alone (a window that keeps
+    the hard stretch) says plain; sampled ones, and rows of a larger batch, are judged by the prior alone."""
+    prior = session_prior()
+    for _ in range(16):
+        prior.observe(15, 1)  # the kept cycles: a hard story's
+    prior.served(10_000)
+    planner = AutoPlanner(engine_like_costs(), prior)
+    easy = request()
+    for _ in range(2):
+        easy.tracker.observe(15, 12)  # its probe: 13 tokens a cycle
+    [alphas] = planner._estimates([easy], prior.conditional())
+    own = easy.tracker.conditional()  # its two cycles alone
+    assert expected_tokens(prior.conditional(), 15) + 0.3 < expected_tokens(alphas, 15) < expected_tokens(own, 15)
+    assert planner._estimates([easy, request()], prior.conditional()) == [prior.conditional()] * 2  # batch 2: prior
+    sampled = RequestMemory(15, easy.tracker, greedy=False)
+    assert planner._estimates([sampled], prior.conditional()) == [prior.conditional()]
+    assert planner._estimates([request()], prior.conditional()) == [prior.conditional()]  # not probed yet
+    easy_, hard = (128, 5), (128, 1)
+    requests = [easy_] * 8 + [hard] * 8 + [easy_] * 16
+    costs = engine_like_costs()
+    served = serve_one_by_one(AutoPlanner(costs, AcceptanceTracker(PRIOR_CYCLES, 64)), costs, requests)
+    assert all(sum(1 for k in lengths if k) / len(lengths) > 0.9 for lengths in served[16:])
 
 
 def test_the_session_prior_spans_steps_of_a_large_batch_not_a_fixed_count_of_cycles():
