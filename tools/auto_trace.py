@@ -150,7 +150,7 @@ def summarise(decisions: list[tuple], overheads: dict[bool, list[float]], decidi
     for reason, seconds in sorted(deciding.items()):
         quantiles = statistics.quantiles(seconds, n=10) if len(seconds) > 1 else seconds * 9
         print(f"deciding {reason}: {len(seconds)}, median {statistics.median(seconds) * 1e3:.2f} ms, 90th percentile "
-              f"{quantiles[-1] * 1e3:.2f} ms")
+              f"{quantiles[-1] * 1e3:.2f} ms, total {sum(seconds) * 1e3:.1f} ms")
     sys.stdout.flush()
 
 

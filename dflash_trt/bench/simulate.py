@@ -272,17 +272,16 @@ def run(regime: Regime, workload: Workload, concurrency: int, policy: str, *, se
     sched = (_Oracle if policy == "oracle" else Scheduler)(backend, speculation, costs, clock.perf_counter)
     result = RunResult(policy, 0, 0.0, 0, costs=costs)
 
-    # a sampled workload's requests say so (the planner judges a greedy request by its own cycles at batch 1), at
-    # top_k 1: what they accept is the trace's either way, the verdicts' argmax
-    params = SamplingParams(max_new_tokens=1, temperature=workload.temperature, top_k=1 if workload.temperature else 0)
-
     def submit(request_id: int) -> None:
         prompt_len, accept = specs[request_id] = spec(request_id)
 
         def make_state(slot: int) -> RequestState:
             prompt = [-request_id - 1] + [0] * (prompt_len - 1)
-            return RequestState(slot, prompt, params.model_copy(update={"max_new_tokens": len(accept) + 1}), block_len,
-                                frozenset({STOP_ID}), MASK_ID, torch.Generator())
+            # a sampled workload's requests say so (the planner judges a greedy request by its own cycles at batch
+            # 1), at top_k 1: what they accept is the trace's either way, the verdicts' argmax
+            params = SamplingParams(max_new_tokens=len(accept) + 1, temperature=workload.temperature,
+                                    top_k=1 if workload.temperature else 0)
+            return RequestState(slot, prompt, params, block_len, frozenset({STOP_ID}), MASK_ID, torch.Generator())
 
         def sink(cycle) -> None:
             if isinstance(cycle, BaseException):

@@ -28,6 +28,7 @@ from dflash_trt.errors import RequestError
 from dflash_trt.plugins.interface import Backend
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.planner import AutoPlanner, RequestMemory, probe_after, session_prior
+from dflash_trt.runtime.sampling import is_greedy
 from dflash_trt.runtime.policy import AcceptanceTracker, SpeculationConfig, static_lengths
 from dflash_trt.runtime.prefill import prefill
 from dflash_trt.runtime.request import Cycle, RequestState
@@ -42,7 +43,7 @@ class _Active:
         self.state, self.sink, self.cancelled = state, sink, cancelled
         self.memory = RequestMemory(state.block_len - 1, AcceptanceTracker(window, max(state.block_len - 1, 1)),
                                     probe_after=probe_after(state.params.max_new_tokens),
-                                    greedy=state.params.temperature == 0)
+                                    greedy=is_greedy(state.params.temperature))
 
 
 class Scheduler:
