@@ -170,10 +170,14 @@ class CostModel:
         self._layouts: dict[str, tuple] = {}  # kind -> ((points id, count), sorted batches, sorted widths per batch)
         self._overhead_batches: dict[bool, set[int]] = {False: set(), True: set()}
         self._batches: dict[tuple[str, int], set[int]] = {}  # (kind, width) -> batch sizes traffic measured
+        # ``step`` and ``known`` answers since the last measurement: a plan asks the same few dozen questions several
+        # times, and every answer rests only on what was measured (each measurement clears them)
+        self._answers: dict[tuple, float | bool] = {}
 
     # ---- measurements ----
     def calibrate(self, kind: str, batch: int, width: int, seconds: float) -> None:
         """A point of the cost shape, measured before serving."""
+        self._answers.clear()
         self.calibrated[kind][(batch, width)] = seconds
 
     def record(self, kind: str, batch: int, width: int, seconds: float) -> None:
@@ -184,6 +188,7 @@ class CostModel:
         again. Every wide verify not measured yet was priced from that plain step, so k=15 looked dearer than k=3
         (whose verify traffic had measured), and the server drafted k=3 where k=15 won, for a thousand steps
         (docs/adaptive-notebook.md, "The server at c=1")."""
+        self._answers.clear()
         estimate = self._measured((kind, batch, width), seconds)
         if estimate is not None:
             self.table[kind][(batch, width)] = estimate
@@ -197,6 +202,7 @@ class CostModel:
         steps') context (:attr:`StepReport.took_in_context`): a one-off, and at batch 1 each request's first drafting
         step is one. Kept, they priced steady-state drafting at c=1 too dear and requests retired where static
         drafting won 1.4-1.6x (docs/adaptive-notebook.md, "What happened at c=1")."""
+        self._answers.clear()
         self._steps += 1
         if self._steps == 2 * STARTUP_STEPS:
             self._forget_startup_prices()
@@ -382,20 +388,26 @@ class CostModel:
     def known(self, batch: int, drafting: int, draft_len: int) -> bool:
         """Whether traffic measured the forwards of such a step lately, at this batch size or one near it
         (``_near``; else :meth:`step` is a guess from the shape)."""
-        if self._near("verify", batch, draft_len + 1) is None:
-            return False
-        return not draft_len or (self._near("draft", drafting, draft_len + 1) is not None
-                                 and any(batch <= 2 * b and b <= 2 * batch for b in self._overheads(True)))
+        key = ("known", batch, drafting, draft_len)
+        if key not in self._answers:
+            self._answers[key] = self._near("verify", batch, draft_len + 1) is not None and (
+                not draft_len or (self._near("draft", drafting, draft_len + 1) is not None
+                                  and any(batch <= 2 * b and b <= 2 * batch for b in self._overheads(True))))
+        return self._answers[key]
 
     def step(self, batch: int, drafting: int, draft_len: int, context: int = 0) -> float:
         """Predicted seconds of one step: verify of ``draft_len + 1`` tokens per row, a draft call for
         ``drafting`` rows when ``draft_len > 0``, and the step's own overhead. ``context``: the most context
         taps a drafting row still has to take in (a whole prompt on its first draft), priced like block
         tokens, which over-states them (they skip the MLPs): a conservative estimate."""
-        if draft_len == 0:
-            return self.verify(batch, 1) + self.overhead(False, batch)
-        return (self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1 + context)
-                + self.overhead(True, batch))
+        key = ("step", batch, drafting, draft_len, context)
+        if key not in self._answers:
+            if draft_len == 0:
+                self._answers[key] = self.verify(batch, 1) + self.overhead(False, batch)
+            else:
+                self._answers[key] = (self.verify(batch, draft_len + 1) + self.draft(drafting, draft_len + 1 + context)
+                                      + self.overhead(True, batch))
+        return self._answers[key]
 
     @staticmethod
     def draft_len_candidates(max_len: int) -> list[int]:

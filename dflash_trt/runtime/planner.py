@@ -112,7 +112,8 @@ PROBE_CYCLES = 2
 
 REFRESH_STEPS = 8
 """Steps a decision is reused for while the batch is unchanged (deciding costs ~0.1 ms of Python; a CPU's plain
-step of a small model, 0.6 ms)."""
+step of a small model, 0.6 ms); for as long as the batch is unchanged where none of its requests keeps a drafter
+(nothing can change that decision)."""
 
 TRIAL_STEPS = 2
 """Steps a length whose cost is a guess is tried for once started, whatever they cost the credit."""
@@ -350,7 +351,8 @@ class AutoPlanner:
         """This step's draft length per request."""
         self._accepted = 0
         plan = self._plan
-        if (plan is None or plan.reason in ("explore", "trial", "measure") or self._age >= REFRESH_STEPS
+        if (plan is None or plan.reason in ("explore", "trial", "measure")
+                or (self._age >= REFRESH_STEPS and any(not r.retired and r.wanted > 0 for r in requests))
                 or len(requests) != len(self._batch) or any(a is not b for a, b in zip(requests, self._batch))):
             self._plan, self._batch, self._age = self._decide(requests), list(requests), 0
         self._age += 1

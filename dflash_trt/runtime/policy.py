@@ -158,7 +158,13 @@ def auto_length(costs: CostModel, alphas: list[list[float]], wanted: list[int]) 
     rates = {0: batch / costs.step(batch, 0, 0)}
     longest = max(wanted, default=0)
     drafting = sum(1 for w in wanted if w >= 1)
-    tables = [_expected_table(a, w) for a, w in zip(alphas, wanted)]  # E(0..w) per request, computed once
+    shared: dict[tuple[int, int], list[float]] = {}  # E(0..w) per estimate and length, computed once (a batch's rows
+    # mostly share one estimate: the session prior)
+    tables = []
+    for a, w in zip(alphas, wanted):
+        if (id(a), w) not in shared:
+            shared[id(a), w] = _expected_table(a, w)
+        tables.append(shared[id(a), w])
     for k in sorted({min(k, longest) for k in costs.draft_len_candidates(longest)} - {0}):
         tokens = sum(table[min(k, len(table) - 1)] for table in tables)
         rates[k] = tokens / costs.step(batch, drafting, k)

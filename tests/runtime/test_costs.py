@@ -415,3 +415,37 @@ def test_points_not_measured_lately_fall_back_to_their_calibration_at_the_curren
     assert costs.overhead(True, 1) == pytest.approx(2e-4)  # no drafting step measured lately: as a plain one
     costs.record_overhead(True, 1, 6e-4)  # drafting again, at the usual cost: the burst's measurements do not come back
     assert costs.overhead(True, 1) == pytest.approx(6e-4)
+
+
+def test_answers_kept_between_measurements_are_the_ones_asked_afresh():
+    """A plan asks ``step`` and ``known`` the same questions several times, so their answers are kept until the next
+    measurement; every kind of measurement (a forward, a step's overhead, a calibration point) must replace them."""
+    questions = [(batch, drafting, length)
+                 for batch in (1, 3, 16) for drafting in (0, 1, batch) for length in (0, 3, 15)]
+    measurements = [("verify", 1, 1, 1.2e-3), ("overhead", False, 1, 2e-4), ("verify", 1, 4, 1.5e-3),
+                    ("draft", 1, 4, 3e-3), ("overhead", True, 1, 5e-4), ("verify", 16, 1, 1.1e-3),
+                    ("overhead", False, 16, 3e-4), ("verify", 16, 16, 9e-3), ("draft", 16, 16, 9e-3),
+                    ("overhead", True, 16, 9e-4), ("calibrate", 3, 4, 1.3e-3)] * _TRUSTED
+
+    def answers(costs: CostModel) -> list:
+        return [(costs.step(*q), costs.known(*q)) for q in questions]
+
+    def measure(costs: CostModel, kind: str, *point) -> None:
+        if kind == "overhead":
+            costs.record_overhead(*point)
+        elif kind == "calibrate":
+            costs.calibrate("verify", *point)
+        else:
+            costs.record(kind, *point)
+
+    asked_often, changed = grid(), 0
+    for done, (kind, *point) in enumerate(measurements, 1):
+        before = answers(asked_often)
+        measure(asked_often, kind, *point)
+        asked_once = grid()  # the same measurements, asked once after the last
+        for earlier in measurements[:done]:
+            measure(asked_once, *earlier)
+        after = answers(asked_often)
+        assert after == answers(asked_once), (kind, point)
+        changed += after != before
+    assert changed >= 11  # each kind of measurement moved some answer, and the kept answers followed

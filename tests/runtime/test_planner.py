@@ -12,8 +12,8 @@ from dflash_trt.runtime.costs import _STALE_STEPS, CostModel
 from dflash_trt.runtime.planner import (CLEAR_WIN, CLOSE_STEPS, COLD_CAP_S, COLD_PLAIN_STEPS, EXPLORE_FRACTION,
                                         FULL_WORTH_GAIN, INFORMED_CYCLES, PRIOR_BATCH_STEPS, PRIOR_CYCLES,
                                         PRIOR_HORIZON_STEPS, PRIOR_KEEP, PROBE_AFTER_TOKENS, PROBE_CYCLES,
-                                        REALISED_MIN_STEPS, REALISED_STEPS, RECHECK_GAIN, STALE_HORIZONS, TRIAL_STEPS,
-                                        AutoPlanner, Plan, RequestMemory, probe_after, session_prior)
+                                        REALISED_MIN_STEPS, REALISED_STEPS, RECHECK_GAIN, REFRESH_STEPS, STALE_HORIZONS,
+                                        TRIAL_STEPS, AutoPlanner, Plan, RequestMemory, probe_after, session_prior)
 from dflash_trt.runtime.policy import MARGIN, AcceptanceTracker, auto_length, expected_tokens
 
 CPU = dict(verify_base=1e-3, verify_per_token=1e-4, draft_base=1e-3, draft_per_token=1e-4)  # compute-bound
@@ -57,6 +57,23 @@ def test_a_batch_where_even_perfect_drafts_lose_drafts_nothing_and_retires_every
     plan = planner.plan(batch)
     assert plan.reason == "hopeless" and plan.lengths == [0] * 64
     assert all(r.retired for r in batch)
+
+
+def test_a_batch_with_no_drafter_left_keeps_its_decision_while_it_is_unchanged():
+    """Deciding costs Python time every step it runs; a batch whose requests all retired decodes plainly whatever the
+    estimate says, so its plan holds until the batch changes (one with a drafter left is decided again every
+    ``REFRESH_STEPS``)."""
+    planner = AutoPlanner(measured(CPU), prior_with([(15, 15)] * 50))
+    batch = [request() for _ in range(64)]
+    first = planner.plan(batch)
+    assert first.reason == "hopeless" and all(r.retired for r in batch)
+    assert all(planner.plan(batch) is first for _ in range(3 * REFRESH_STEPS))
+    joined = planner.plan(batch[1:] + [request()])  # a new request with its drafter: decided again, and retired
+    assert joined is not first and joined.reason == "hopeless"
+    live = AutoPlanner(measured(GPU), prior_with([(15, 12)] * 50))
+    batch = [request(), request(7)]
+    plans = [live.plan(batch) for _ in range(REFRESH_STEPS + 1)]
+    assert plans[0].reason == "exploit" and plans[-1] is not plans[0]
 
 
 def test_an_informed_prior_drafts_the_full_block_where_width_is_cheap():
