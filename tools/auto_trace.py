@@ -82,8 +82,8 @@ def main() -> None:
         if live and self.informed:
             prior = self.prior.conditional()
             _, predicted = auto_length(self.costs, [prior] * batch, [r.wanted for r in requests])
-            rates = " ".join(f"{k}:{predicted[k] / predicted[0]:.2f}{'' if self.costs.known(batch, len(live), k) else '?'}"
-                             for k in sorted(predicted) if k)
+            guess = {k: "" if self.costs.known(batch, len(live), k) else "?" for k in predicted}  # ?: cost a guess
+            rates = " ".join(f"{k}:{predicted[k] / predicted[0]:.2f}{guess[k]}" for k in sorted(predicted) if k)
             e15 = f"{expected_tokens(prior, 15):.2f}"
         decisions.append((batch, plan.reason, max(plan.lengths), sum(r.retired for r in requests), len(live), e15,
                           rates, f"{plan.plain_step_s * 1e3:.2f}", f"{(self.credit_s or 0) * 1e3:.2f}",

@@ -437,17 +437,17 @@ def test_a_greedy_lone_request_is_judged_by_its_own_probe_as_well_as_the_session
     for _ in range(16):
         prior.observe(15, 1)  # the kept cycles: a hard story's
     prior.served(10_000)
-    planner = AutoPlanner(engine_like_costs(), prior)
+    estimates = AutoPlanner._estimates
     easy = request()
     for _ in range(2):
         easy.tracker.observe(15, 12)  # its probe: 13 tokens a cycle
-    [alphas] = planner._estimates([easy], prior.conditional())
+    [alphas] = estimates([easy], prior.conditional())
     own = easy.tracker.conditional()  # its two cycles alone
     assert expected_tokens(prior.conditional(), 15) + 0.3 < expected_tokens(alphas, 15) < expected_tokens(own, 15)
-    assert planner._estimates([easy, request()], prior.conditional()) == [prior.conditional()] * 2  # batch 2: prior
+    assert estimates([easy, request()], prior.conditional()) == [prior.conditional()] * 2  # batch 2: the prior
     sampled = RequestMemory(15, easy.tracker, greedy=False)
-    assert planner._estimates([sampled], prior.conditional()) == [prior.conditional()]
-    assert planner._estimates([request()], prior.conditional()) == [prior.conditional()]  # not probed yet
+    assert estimates([sampled], prior.conditional()) == [prior.conditional()]
+    assert estimates([request()], prior.conditional()) == [prior.conditional()]  # not probed yet
     easy_, hard = (128, 5), (128, 1)
     requests = [easy_] * 8 + [hard] * 8 + [easy_] * 16
     costs = engine_like_costs()
