@@ -77,12 +77,12 @@ def main() -> None:
         began = time.perf_counter()
         plan = decide(self, requests)
         deciding.setdefault(plan.reason, []).append(time.perf_counter() - began)  # before this tracer's own work
-        batch, live = len(requests), [r for r in requests if not r.retired and r.wanted]
+        batch, live = len(requests), [r for r in requests if r.live]
         rates, e15 = "", ""
         if live and self.informed:
             prior = self.prior.conditional()
             _, predicted = auto_length(self.costs, [prior] * batch, [r.wanted for r in requests])
-            guess = {k: "" if self.costs.known(batch, len(live), k) else "?" for k in predicted}  # ?: cost a guess
+            guess = {k: "" if self.costs.known(batch, len(live), k) else "?" for k in predicted if k}  # ?: cost a guess
             rates = " ".join(f"{k}:{predicted[k] / predicted[0]:.2f}{guess[k]}" for k in sorted(predicted) if k)
             e15 = f"{expected_tokens(prior, 15):.2f}"
         decisions.append((batch, plan.reason, max(plan.lengths), sum(r.retired for r in requests), len(live), e15,

@@ -248,6 +248,11 @@ class RequestMemory:
     greedy: bool = True  # decoded at temperature 0 (its own cycles then say how its response goes on: ``OWN_WEIGHT``)
 
     @property
+    def live(self) -> bool:
+        """Keeps a drafter: not retired, and asked for drafts at all."""
+        return not self.retired and self.wanted > 0
+
+    @property
     def probed(self) -> bool:
         """Measured for ``PROBE_CYCLES`` recent cycles (or a whole acceptance window, if that is shorter)."""
         return len(self.tracker.cycles) >= min(PROBE_CYCLES, self.tracker.window)
@@ -352,7 +357,7 @@ class AutoPlanner:
         self._accepted = 0
         plan = self._plan
         if (plan is None or plan.reason in ("explore", "trial", "measure")
-                or (self._age >= REFRESH_STEPS and any(not r.retired and r.wanted > 0 for r in requests))
+                or (self._age >= REFRESH_STEPS and any(r.live for r in requests))
                 or len(requests) != len(self._batch) or any(a is not b for a, b in zip(requests, self._batch))):
             self._plan, self._batch, self._age = self._decide(requests), list(requests), 0
         self._age += 1
@@ -372,7 +377,7 @@ class AutoPlanner:
             if self._largest is not None:
                 self.credit_s = max(self.credit_s, self.bank_s)
             self._largest = size
-        live = [i for i, r in enumerate(requests) if not r.retired and r.wanted > 0]
+        live = [i for i, r in enumerate(requests) if r.live]
         if not live:
             return Plan([0] * batch, "plain", plain_step)
         if not self.costs.known(batch, 0, 0):  # plain decoding's price here is the shape's guess: measure it first

@@ -448,8 +448,8 @@ def test_a_greedy_lone_request_is_judged_by_its_own_probe_as_well_as_the_session
     sampled = RequestMemory(15, easy.tracker, greedy=False)
     assert estimates([sampled], prior.conditional()) == [prior.conditional()]
     assert estimates([request()], prior.conditional()) == [prior.conditional()]  # not probed yet
-    easy_, hard = (128, 5), (128, 1)
-    requests = [easy_] * 8 + [hard] * 8 + [easy_] * 16
+    easy_story, hard_story = (128, 5), (128, 1)
+    requests = [easy_story] * 8 + [hard_story] * 8 + [easy_story] * 16
     costs = engine_like_costs()
     served = serve_one_by_one(AutoPlanner(costs, AcceptanceTracker(PRIOR_CYCLES, 64)), costs, requests)
     assert all(sum(1 for k in lengths if k) / len(lengths) > 0.9 for lengths in served[16:])
