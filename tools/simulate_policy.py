@@ -6,6 +6,7 @@
     python tools/simulate_policy.py by-start
     python tools/simulate_policy.py switch --regime h200-1k --concurrency 64 --first untrained --then stories_t0
     python tools/simulate_policy.py bench --regime cpu --concurrency 16 --workload stories_t0 --seeds 0,1,2,3,4,5
+    python tools/simulate_policy.py bench --regime cpu-torch --concurrency 16 --offset 0 --seeds 0,1,2,3,4,5
 
 ``record`` serves shipped prompt sets on the embedded stories260K pair (torch backend, static speculation,
 the whole block) and stores each request's per-cycle accepted drafts, plus two synthetic workloads.
@@ -19,7 +20,8 @@ tokens a cycle commits by where in its response it starts (tokens 0-15, 16-31, 3
 prints each policy's speed over plain decoding per seed: whether the session notices that its workload changed.
 ``bench`` serves one cell shaped as the real-run bench command serves it (``dflash-trt bench --num-prompts 32
 --max-new-tokens 128``: 32 requests, each cut at 128 tokens, so a wave of them ends together under plain decoding)
-and prints the same per seed.
+and prints the same per seed; with ``--offset 0`` on ``stories_t0`` its requests are the bench's own (its 32
+``tinystories_prefixes`` prompts, in order), and only the seed's noise and load bursts differ.
 """
 
 from __future__ import annotations
@@ -108,10 +110,10 @@ def switch(regime: str, concurrency: int, first: traces.Workload, then: traces.W
 
 
 def bench(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], requests: int,
-          max_new_tokens: int) -> None:
+          max_new_tokens: int, offset: int | None = None) -> None:
     from dflash_trt.bench import simulate
 
-    options = bench_options(concurrency, requests, max_new_tokens)
+    options = bench_options(concurrency, requests, max_new_tokens) | {"offset": offset}
     served = max(simulate.MIN_REQUESTS, options["requests_per_slot"] * concurrency)
     print(f"{regime}, c={concurrency}, {served} requests of {workload.name}, each cut at {max_new_tokens} tokens: "
           "tokens/s over plain decoding")
@@ -149,6 +151,12 @@ def by_start() -> None:
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer; expected 1 or more")
+    return int(text)
+
+
+def _offset(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a request index; expected 0 or more")
     return int(text)
 
 
@@ -201,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--requests", type=_positive, default=32,
                      help="requests served (the bench's --num-prompts; at least 32, a multiple of the concurrency)")
     ben.add_argument("--max-new-tokens", type=_new_tokens, default=128, help="tokens each request is cut at")
+    ben.add_argument("--offset", type=_offset, default=None,
+                     help="the workload's request served first, the rest in order (default: drawn by the seed; 0 on "
+                          "stories_t0: the bench's own prompts)")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.out)
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             mixed(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.every, args.joined)
         elif args.command == "bench":
             bench(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.requests,
-                  args.max_new_tokens)
+                  args.max_new_tokens, args.offset)
         else:
             switch(args.regime, args.concurrency, workloads[args.first], workloads[args.then], args.seeds)
     return 0

@@ -14,6 +14,15 @@ computed), and the host time of a scheduler step outside its forwards:
   here). These are the machine's slower state: on a fast stretch of a later day plain steps at c=1 ran 0.34 ms and
   k=7 and k=15 steps cost 3.2 and 3.9 of them (here 2.55 and 3.2; ``tools/auto_trace.py --steps``,
   docs/adaptive-notebook.md, "The engine at c=1 on a noisy day").
+- ``cpu-torch``: the same pair on the torch backend (eager, float32, one thread) on a 2-core Xeon with AVX-512 and AMX,
+  from the steady steps of the bars' torch command (``tools/auto_trace.py --steps``; docs/adaptive-notebook.md, "The
+  torch c=16 cell on a noisier machine"): plain step 1.62 ms at c=1 (verify 1.48 + 0.13) and 3.61 ms at batch 16 (verify
+  3.31 + 0.30), a k=15 cycle 4.60 ms at c=1 (verify 2.14, draft 2.12, 0.30 other), a k=7 step at batch 16 14.1 ms
+  (verify 6.66, draft 6.49, 0.76 other). Here a draft costs about what the verify of the same tokens does (the
+  drafter's 3 layers have a 512-wide MLP, the target's 5 a 172-wide one), so at c=16 every length loses to plain
+  decoding in steady state (k=7 ~0.96x on stories) where on the engine's ``cpu`` it wins: the regime of the torch
+  bars' c=16 cell (static k=15 0.63-0.72x plain there, 0.62-0.73x here on the bench's own prompts). Context taps cost
+  5 us a row (a 16-row verify with taps 3.03 ms against 2.96 ms without, interleaved, medians).
 - ``cpu-0.6b``: a Qwen3-0.6B-shaped target with a 1-layer drafter (tools/make_checkpoints.py), torch eager
   float32 on the same CPU, from one ``dflash-trt bench ... --concurrency 1 --max-new-tokens 32`` cell: plain
   verify 142 ms, verify(16) 389 ms, draft(16) 177 ms, 0.2 ms / 2.2 ms of other work per plain / drafting
@@ -126,9 +135,15 @@ EMBEDDED_ORT = Linear(verify_base=0.405e-3, verify_token=0.025e-3, draft_base=0.
 QWEN3_06B_TORCH = Linear(verify_base=125.8e-3, verify_token=16.4e-3, draft_base=60e-3, draft_token=7.3e-3,
                          key_s=0.0, step_s=0.2e-3, step_row_s=0.05e-3, drafting_s=2.1e-3, drafting_row_s=0.1e-3)
 
+EMBEDDED_TORCH = Linear(verify_base=1.45e-3, verify_token=0.030e-3, draft_base=1.71e-3, draft_token=0.024e-3,
+                        key_s=0.79e-6, step_s=0.12e-3, step_row_s=0.011e-3, drafting_s=0.27e-3,
+                        drafting_row_s=0.03e-3, tap_row_s=5e-6)
+
 REGIMES = {
     "cpu": Regime("cpu", "embedded stories260K pair, ONNX Runtime engine, 2-core Xeon (measured costs)", None,
                   EMBEDDED_ORT),
+    "cpu-torch": Regime("cpu-torch", "embedded stories260K pair, torch eager fp32, 2-core Xeon (measured costs)", None,
+                        EMBEDDED_TORCH),
     "cpu-0.6b": Regime("cpu-0.6b", "Qwen3-0.6B-shaped target + 1-layer drafter, torch eager fp32, 2-core Xeon "
                        "(measured costs)", None, QWEN3_06B_TORCH),
     "h200-1k": Regime("h200-1k", "8B bf16 target + 1B drafter, H200 roofline, 1k-token prompts", 1024),

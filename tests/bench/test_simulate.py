@@ -114,9 +114,20 @@ CLOSE_CALL = ("drafting wins 5% here (static k=7 1.05x plain): probed again whil
               "decoded plainly (0.98x plain, 0.93 of static k=7); before requests were probed again, it ran trials of "
               "k=3 and k=7 on guessed prices and reached 1.00x plain, 0.95 of static k=7 (docs/adaptive-notebook.md, "
               "\"Probed again while a win is plausible\")")
+TORCH_HARD_START = ("the requests this seed serves first are hard (the first probes read E(15) 1.75, the next ones "
+                    "2.3-3.8): the batch decodes plainly and probes its new requests at k=3 and k=7 until the "
+                    "estimate reaches E(15) 3.2-3.9, two thirds of its row-steps, while static k=7 wins 1.18x; then "
+                    "it exploits k=7 and ends at 1.10x plain, 0.93 of static k=7 (docs/adaptive-notebook.md, \"A "
+                    "simulated torch backend\")")
+TORCH_K7_OR_K15 = ("on torch a k=15 cycle costs 1.06x a k=7 one at c=1, so static k=15 wins wherever positions 8-15 "
+                   "add 6% to a cycle (1.82x plain); a greedy lone request is predicted by its own recent cycles, "
+                   "which on short stretches prefer k=7, and auto drafts k=7 in 554 cycles and k=15 in 310: 1.73x "
+                   "plain, 0.949 of static k=15 (docs/adaptive-notebook.md, \"A simulated torch backend\")")
 TABLE_MISSES: dict[tuple[str, int, str, int], str] = {  # (regime, concurrency, workload, seed) -> why auto misses
     ("h200-32k", 16, "stories_t0", 1): COLD_PROBE_INTAKE,
     ("cpu", 4, "stories_t0", 1): CLOSE_CALL,
+    ("cpu-torch", 4, "stories_t0", 1): TORCH_HARD_START,
+    ("cpu-torch", 1, "stories_t0", 2): TORCH_K7_OR_K15,
 }
 
 

@@ -50,6 +50,20 @@ def test_the_bench_cell_serves_its_requests_each_cut_at_the_bench_commands_lengt
     assert [result.tokens for result in cell.results.values()] == [32 * 15] * 2  # 15 tokens after the prefill's
 
 
+def test_a_bench_cell_from_offset_0_serves_the_bench_commands_own_prompts_in_order(capsys):
+    """``--offset 0``: the workload's first 32 requests (the bench's ``tinystories_prefixes`` prompts, in order); the
+    34th of ``stories_t0`` ends at 113 tokens, so a cell from offset 2 serves fewer tokens."""
+    stories = traces.load()["stories_t0"]
+    assert [len(stories.positions(i)) for i in range(34)] == [127] * 33 + [113]
+    served = {offset: simulate.cell("cpu-torch", 16, stories, policies=("plain",), seed=1,
+                                    **simulate_policy.bench_options(16, 32, 128), offset=offset)
+              for offset in (0, 2)}
+    assert [cell.results["plain"].tokens for cell in served.values()] == [32 * 127, 31 * 127 + 113]
+    assert simulate_policy.main(["bench", "--regime", "cpu-torch", "--offset", "0", "--seeds", "3",
+                                 "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("seed 3: static:1 ")
+
+
 def test_a_bench_cell_with_nothing_to_decode_after_the_prefill_is_refused(capsys):
     with pytest.raises(SystemExit):
         simulate_policy.main(["bench", "--max-new-tokens", "1"])
@@ -70,3 +84,9 @@ def test_a_bad_argument_is_refused_with_what_was_expected(capsys, argument, valu
     with pytest.raises(SystemExit):
         simulate_policy.main(["mixed", argument, value])
     assert expected in capsys.readouterr().err
+
+
+def test_a_bench_offset_that_is_not_a_request_index_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        simulate_policy.main(["bench", "--offset", "-1"])
+    assert "argument --offset: '-1' is not a request index; expected 0 or more" in capsys.readouterr().err
