@@ -21,7 +21,8 @@ prints each policy's speed over plain decoding per seed: whether the session not
 ``bench`` serves one cell shaped as the real-run bench command serves it (``dflash-trt bench --num-prompts 32
 --max-new-tokens 128``: 32 requests, each cut at 128 tokens, so a wave of them ends together under plain decoding)
 and prints the same per seed; with ``--offset 0`` on ``stories_t0`` its requests are the bench's own (its 32
-``tinystories_prefixes`` prompts, in order), and only the seed's noise and load bursts differ.
+``tinystories_prefixes`` prompts, in order), and only the seed's noise and load bursts differ; with ``--breakdown``
+it prints where auto's time went, by the planner's reason and whether the batch was full.
 """
 
 from __future__ import annotations
@@ -110,14 +111,14 @@ def switch(regime: str, concurrency: int, first: traces.Workload, then: traces.W
 
 
 def bench(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], requests: int,
-          max_new_tokens: int, offset: int | None = None) -> None:
+          max_new_tokens: int, offset: int | None = None, breakdown: bool = False) -> None:
     from dflash_trt.bench import simulate
 
     options = bench_options(concurrency, requests, max_new_tokens) | {"offset": offset}
     served = max(simulate.MIN_REQUESTS, options["requests_per_slot"] * concurrency)
     print(f"{regime}, c={concurrency}, {served} requests of {workload.name}, each cut at {max_new_tokens} tokens: "
           "tokens/s over plain decoding")
-    _per_seed(regime, concurrency, workload, seeds, **options)
+    _per_seed(regime, concurrency, workload, seeds, breakdown=breakdown, **options)
 
 
 def bench_options(concurrency: int, requests: int, max_new_tokens: int) -> dict[str, int]:
@@ -127,8 +128,10 @@ def bench_options(concurrency: int, requests: int, max_new_tokens: int) -> dict[
     return {"requests_per_slot": -(-requests // concurrency), "max_tokens": max_new_tokens - 1}
 
 
-def _per_seed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], **cell_options) -> None:
-    """One line per seed: each static length's and auto's tokens/s over plain decoding (``simulate.cell``)."""
+def _per_seed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], breakdown: bool = False,
+              **cell_options) -> None:
+    """One line per seed: each static length's and auto's tokens/s over plain decoding (``simulate.cell``); with
+    ``breakdown``, then where auto's time went (``_breakdown``)."""
     from dflash_trt.bench import simulate
 
     for seed in seeds:
@@ -137,6 +140,33 @@ def _per_seed(regime: str, concurrency: int, workload: traces.Workload, seeds: l
         statics = "  ".join(f"{p} {cell.ratio(p):.3f}x" for p in cell.results if p.startswith("static:"))
         print(f"seed {seed}: {statics}  auto {cell.ratio('auto'):.3f}x ({cell.ratio('auto') / cell.best_fixed:.2f} of "
               f"the best fixed choice)")
+        if breakdown:
+            _breakdown(regime, concurrency, workload, seed, cell, **cell_options)
+
+
+def _breakdown(regime: str, concurrency: int, workload: traces.Workload, seed: int, cell, requests_per_slot: int = 4,
+               max_tokens: int | None = None, offset: int | None = None) -> None:
+    """Auto's steps in ``cell`` (run again: a run is deterministic by seed) grouped by the planner's reason and by
+    whether the batch was full: steps, time, tokens, and that time less plain decoding's for the same tokens at the
+    rate it ran in the cell (what each kind of step lost, or won, against plain decoding)."""
+    from dflash_trt.bench import simulate
+    from dflash_trt.bench.sim_regimes import REGIMES
+
+    steps: list[tuple[str, int, int, float]] = []
+    simulate.run(REGIMES[regime], workload, concurrency, "auto", seed=seed, max_tokens=max_tokens, offset=offset,
+                 requests=max(simulate.MIN_REQUESTS, requests_per_slot * concurrency), steps=steps)
+    plain = cell.results["plain"]
+    rate = plain.tokens / plain.seconds
+    groups: dict[tuple[str, bool], list[float]] = {}
+    for reason, batch, tokens, seconds in steps:
+        group = groups.setdefault((reason, batch == concurrency), [0, 0, 0.0])
+        group[0] += 1
+        group[1] += tokens
+        group[2] += seconds
+    for (reason, full), (count, tokens, seconds) in sorted(groups.items(), key=lambda item: -item[1][2]):
+        print(f"  {reason} at {'the full batch' if full else 'a smaller batch'}: {count} steps, "
+              f"{seconds * 1e3:.1f} ms, {tokens} tokens, {(seconds - tokens / rate) * 1e3:+.1f} ms against plain "
+              "decoding's rate")
 
 
 def by_start() -> None:
@@ -209,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--requests", type=_positive, default=32,
                      help="requests served (the bench's --num-prompts; at least 32, a multiple of the concurrency)")
     ben.add_argument("--max-new-tokens", type=_new_tokens, default=128, help="tokens each request is cut at")
+    ben.add_argument("--breakdown", action="store_true",
+                     help="after each seed, where auto's time went: its steps by the planner's reason and whether the "
+                          "batch was full, against plain decoding's rate")
     ben.add_argument("--offset", type=_offset, default=None,
                      help="the workload's request served first, the rest in order (default: drawn by the seed; 0 on "
                           "stories_t0: the bench's own prompts)")
@@ -231,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             mixed(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.every, args.joined)
         elif args.command == "bench":
             bench(args.regime, args.concurrency, workloads[args.workload], args.seeds, args.requests,
-                  args.max_new_tokens, args.offset)
+                  args.max_new_tokens, args.offset, args.breakdown)
         else:
             switch(args.regime, args.concurrency, workloads[args.first], workloads[args.then], args.seeds)
     return 0

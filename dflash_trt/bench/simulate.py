@@ -239,12 +239,15 @@ def _speculation(policy: str) -> SpeculationConfig:
 
 def run(regime: Regime, workload: Workload, concurrency: int, policy: str, *, seed: int = 0,
         requests: int | None = None, limit_s: float | None = None, noise: bool = True,
-        max_tokens: int | None = None, offset: int | None = None) -> RunResult:
+        max_tokens: int | None = None, offset: int | None = None,
+        steps: list[tuple[str, int, int, float]] | None = None) -> RunResult:
     """Serve ``requests`` requests of ``workload`` (default: 4 per slot, at least ``MIN_REQUESTS``) from
     ``concurrency`` clients that each send the next as soon as theirs ends, under ``policy`` (``plain``,
     ``static:K``, ``auto``, ``oracle``) on ``regime``; stop early once ``limit_s`` simulated seconds of decoding
     have passed. ``max_tokens`` cuts each request's output there. ``offset``: the request of ``workload`` served first
-    (the rest follow in order, from its start again after its last); None, one drawn by the seed. Deterministic by
+    (the rest follow in order, from its start again after its last); None, one drawn by the seed. ``steps``: under
+    ``auto``, each step's ``(the planner's reason, batch size, tokens committed, seconds)`` is appended to it
+    (``tools/simulate_policy.py bench --breakdown``). Deterministic by
     seed: the same seed gives every policy the same requests and the same load bursts at the same simulated times
     (counted from the start of serving; ``auto``'s calibration runs before it, in the schedule's first burst if it
     starts with one)."""
@@ -270,6 +273,10 @@ def run(regime: Regime, workload: Workload, concurrency: int, policy: str, *, se
         calibration.calibrate(backend, costs, True, workload.block_len, max_seq_len, clock.perf_counter,
                               warm_shapes=False)
     sched = (_Oracle if policy == "oracle" else Scheduler)(backend, speculation, costs, clock.perf_counter)
+    if steps is not None and policy == "auto":
+        sched.subscribe(lambda report: steps.append((sched.planner.last_plan.reason, len(report.rows),
+                                                     len(report.rows) + sum(report.accepted), report.seconds)),
+                        timed=True)
     result = RunResult(policy, 0, 0.0, 0, costs=costs)
 
     def submit(request_id: int) -> None:

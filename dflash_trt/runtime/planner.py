@@ -293,6 +293,11 @@ class AutoPlanner:
         self._realised: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
 
     @property
+    def last_plan(self) -> Plan | None:
+        """The plan of the step planned last (None before the first)."""
+        return self._plan
+
+    @property
     def informed(self) -> bool:
         return len(self.prior.cycles) >= INFORMED_CYCLES
 

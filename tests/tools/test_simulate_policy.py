@@ -64,6 +64,25 @@ def test_a_bench_cell_from_offset_0_serves_the_bench_commands_own_prompts_in_ord
     assert capsys.readouterr().out.splitlines()[1].startswith("seed 3: static:1 ")
 
 
+def test_a_bench_breakdown_accounts_for_every_step_of_the_adaptive_run(capsys):
+    """``--breakdown``: auto's steps by the planner's reason and batch, whose times add up to the run's."""
+    import re
+
+    assert simulate_policy.main(["bench", "--regime", "cpu-torch", "--concurrency", "4", "--seeds", "1",
+                                 "--max-new-tokens", "16", "--breakdown"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    groups = [re.fullmatch(r"  (\w+) at (the full|a smaller) batch: (\d+) steps, ([\d.]+) ms, (\d+) tokens, "
+                           r"[-+][\d.]+ ms against plain decoding's rate", line) for line in out[2:]]
+    assert groups and all(groups), out
+    stories = traces.load()["stories_t0"]
+    cell = simulate.cell("cpu-torch", 4, stories, seed=1, policies=("plain", "auto"),
+                         **simulate_policy.bench_options(4, 32, 16))
+    auto = cell.results["auto"]
+    assert sum(int(g[3]) for g in groups) == auto.steps
+    assert sum(float(g[4]) for g in groups) == pytest.approx(auto.seconds * 1e3, abs=0.05 * len(groups))
+    assert {g[1] for g in groups} <= {"plain", "measure", "explore", "trial", "exploit", "hopeless"}
+
+
 def test_a_bench_cell_with_nothing_to_decode_after_the_prefill_is_refused(capsys):
     with pytest.raises(SystemExit):
         simulate_policy.main(["bench", "--max-new-tokens", "1"])
