@@ -22,7 +22,7 @@ computed), and the host time of a scheduler step outside its forwards:
   drafter's 3 layers have a 512-wide MLP, the target's 5 a 172-wide one), so at c=16 every length loses to plain
   decoding in steady state (k=7 ~0.96x on stories) where on the engine's ``cpu`` it wins: the regime of the torch
   bars' c=16 cell (static k=15 0.63-0.72x plain there, 0.62-0.73x here on the bench's own prompts). Context taps cost
-  5 us a row (a 16-row verify with taps 3.03 ms against 2.96 ms without, interleaved, medians).
+  5 us a row (one measurement of a 16-row verify, by a script not kept: 3.03 ms with them, 2.96 ms without).
 - ``cpu-0.6b``: a Qwen3-0.6B-shaped target with a 1-layer drafter (tools/make_checkpoints.py), torch eager
   float32 on the same CPU, from one ``dflash-trt bench ... --concurrency 1 --max-new-tokens 32`` cell: plain
   verify 142 ms, verify(16) 389 ms, draft(16) 177 ms, 0.2 ms / 2.2 ms of other work per plain / drafting
