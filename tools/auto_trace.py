@@ -18,8 +18,11 @@ given arguments, and records, for the adaptive session only:
   included), the tokens it committed, and whether a drafting row took in context (a first draft). Per pass of more
   than one step this prints its steps, its wall time, and where the time went (steps at its full batch, at a smaller
   one, drafting steps, plain steps where some row keeps a drafter, time outside the steps: admitting and prefilling
-  requests); and per bench mode, batch size and verify width, the median steady step (no row took in context) and its
-  verify, draft and the rest, which the simulated CPU's costs are compared with (``dflash_trt/bench/sim_regimes.py``).
+  requests); per concurrency, the adaptive passes' steps by the planner's reason (the last column) and whether the
+  batch was full, against the rate of the session's plain passes at that concurrency (as ``tools/simulate_policy.py
+  bench --breakdown`` prints for a simulated run); and per bench mode, batch size and verify width, the median steady
+  step (no row took in context) and its verify, draft and the rest, which the simulated CPU's costs are compared with
+  (``dflash_trt/bench/sim_regimes.py``).
 - with ``--mode static`` (or ``off``), ``--steps`` records the steps of the sessions of that mode instead: a static
   (or plain) server's, to set its step times beside an adaptive server's (decisions stay the adaptive session's).
 
@@ -100,7 +103,9 @@ def main() -> None:
         steps.append((any(entries[id(state)].memory.wanted for state in report.rows), len(report.rows),
                       report.draft_rows, report.verify_width, sum(1 for state in report.rows if state.uses_drafter),
                       report.seconds, report.verify_s, report.draft_s, time.perf_counter(), current_pass[0],
-                      current_pass[1], len(report.rows) + sum(report.accepted), report.took_in_context))
+                      current_pass[1], len(report.rows) + sum(report.accepted), report.took_in_context,
+                      self.planner.last_plan.reason if self.speculation.mode == "auto" and self.planner.last_plan
+                      else "-"))
 
     def traced_init(self, *init_args, **init_kwargs):
         scheduler_init(self, *init_args, **init_kwargs)
@@ -125,11 +130,12 @@ def main() -> None:
         if args.steps:
             with open(args.steps, "w") as out:
                 out.write("drafter\tbatch\tdraft_rows\tverify_width\tkeeps_drafter\tstep_ms\tverify_ms\tdraft_ms\t"
-                          "ended_s\tpass\tmode\tcommitted\ttook_in_context\n")
+                          "ended_s\tpass\tmode\tcommitted\ttook_in_context\treason\n")
                 for row in steps:
                     out.write("\t".join(str(v) if isinstance(v, (bool, int, str)) else f"{v * 1e3:.4f}" if i < 8
                                         else f"{v:.6f}" for i, v in enumerate(row)) + "\n")
             summarise_passes(steps)
+            summarise_reasons(steps)
             summarise_step_costs(steps)
 
 
@@ -181,6 +187,34 @@ def summarise_passes(steps: list[tuple]) -> None:
                            part("drafting", [s for s in run if s[2]]),
                            part("plain with a drafter kept", [s for s in run if not s[2] and s[4]])])
               + f"; outside the steps {(wall - in_steps) * 1e3:.0f} ms")
+    sys.stdout.flush()
+
+
+def summarise_reasons(steps: list[tuple]) -> None:
+    """Per concurrency (a pass's largest batch), the adaptive passes' steps by the planner's reason and whether the
+    batch was full: steps, time, tokens, and that time less what the session's plain passes (``ar_auto``) at the same
+    concurrency took for as many tokens (their committed tokens over their steps' time): what each kind of step lost,
+    or won, against plain decoding; ``tools/simulate_policy.py bench --breakdown`` prints the same for a simulated run."""
+    cells: dict[int, dict[str, list[list[tuple]]]] = {}
+    for run in passes(steps):
+        if run[0][10] in ("ar_auto", "dflash_auto") and len(run) > 1:
+            cells.setdefault(max(step[1] for step in run), {}).setdefault(run[0][10], []).append(run)
+    for full, modes in sorted(cells.items()):
+        plain = [step for run in modes.get("ar_auto", []) for step in run]
+        if not plain or "dflash_auto" not in modes:
+            continue
+        rate = sum(step[11] for step in plain) / sum(step[5] for step in plain)
+        groups: dict[tuple[str, bool], list[float]] = {}
+        for step in (step for run in modes["dflash_auto"] for step in run):
+            group = groups.setdefault((step[13], step[1] == full), [0, 0, 0.0])
+            group[0] += 1
+            group[1] += step[11]
+            group[2] += step[5]
+        print(f"dflash_auto at c={full}, {len(modes['dflash_auto'])} passes, against the ar_auto passes' rate "
+              f"({rate / 1e3:.2f} tokens a ms):")
+        for (reason, at_full), (count, tokens, seconds) in sorted(groups.items(), key=lambda item: -item[1][2]):
+            print(f"  {reason} at {'the full batch' if at_full else 'a smaller batch'}: {count} steps, "
+                  f"{seconds * 1e3:.1f} ms, {tokens} tokens, {(seconds - tokens / rate) * 1e3:+.1f} ms")
     sys.stdout.flush()
 
 

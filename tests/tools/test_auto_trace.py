@@ -13,11 +13,11 @@ trace = load_tool("auto_trace")
 
 
 def step(ended: float, number: int, mode: str = "dflash_auto", batch: int = 4, draft_rows: int = 0, keeps: int = 0,
-         seconds: float = 0.002) -> tuple:
+         seconds: float = 0.002, reason: str = "plain") -> tuple:
     """A ``--steps`` row: (drafter, batch, draft rows, verify width, keeps a drafter, seconds, verify, draft, ended,
-    pass, mode, tokens committed, took in context)."""
+    pass, mode, tokens committed, took in context, the planner's reason)."""
     return (mode == "dflash_auto", batch, draft_rows, 1 + 3 * bool(draft_rows), keeps, seconds, seconds / 2, 0.0,
-            ended, number, mode, batch + 2 * draft_rows, False)
+            ended, number, mode, batch + 2 * draft_rows, False, reason)
 
 
 def test_steps_are_grouped_by_the_pass_they_ran_in():
@@ -36,12 +36,26 @@ def test_each_pass_says_where_its_time_went(capsys):
                                        "drafting 1 (3 ms), plain with a drafter kept 1 (2 ms); outside the steps 3 ms\n")
 
 
+def test_adaptive_steps_are_set_against_the_plain_passes_rate_by_reason_and_batch(capsys):
+    """The plain passes at c=4 commit 2 tokens a ms; an exploiting step at the full batch that committed 8 tokens in 3
+    ms won 1 ms against that rate, a plain step at a smaller batch lost 1. A concurrency without plain passes is left
+    out."""
+    plain = [step(0.002, 1, "ar_auto"), step(0.004, 1, "ar_auto")]
+    adaptive = [step(0.010, 2, draft_rows=2, seconds=0.003, reason="exploit"), step(0.012, 2, batch=2)]
+    alone = [step(0.020, 3, batch=8), step(0.022, 3, batch=8)]
+    trace.summarise_reasons(plain + adaptive + alone)
+    assert capsys.readouterr().out == (
+        "dflash_auto at c=4, 1 passes, against the ar_auto passes' rate (2.00 tokens a ms):\n"
+        "  exploit at the full batch: 1 steps, 3.0 ms, 8 tokens, -1.0 ms\n"
+        "  plain at a smaller batch: 1 steps, 2.0 ms, 2 tokens, +1.0 ms\n")
+
+
 def test_step_costs_are_medians_of_the_steady_steps_per_mode_batch_and_width(capsys):
     """What the simulated CPU's costs are compared with: steps where a row took in context, warm-up steps and groups
     of fewer than ``least`` steps are left out."""
     plain = [step(0.001 * i, 1, "ar_auto", batch=1, seconds=s) for i, s in enumerate((0.001, 0.002, 0.003), 1)]
     drafting = [step(0.01 + 0.001 * i, 2, batch=1, draft_rows=1, seconds=0.004) for i in range(2)]
-    cold = [(*drafting[0][:12], True)]  # took in context: a one-off
+    cold = [(*drafting[0][:12], True, *drafting[0][13:])]  # took in context: a one-off
     warm = [step(0.0, 0, "warm-up", batch=1, seconds=0.009)]
     trace.summarise_step_costs(plain + drafting + cold + warm, least=2)
     assert capsys.readouterr().out == (
