@@ -46,6 +46,7 @@ import time
 from collections import Counter
 
 from dflash_trt.bench import runners
+from dflash_trt.bench.simulate import breakdown
 from dflash_trt.runtime import planner, scheduler
 from dflash_trt.runtime.policy import auto_length, expected_tokens
 
@@ -204,17 +205,10 @@ def summarise_reasons(steps: list[tuple]) -> None:
         if not plain or "dflash_auto" not in modes:
             continue
         rate = sum(step[11] for step in plain) / sum(step[5] for step in plain)
-        groups: dict[tuple[str, bool], list[float]] = {}
-        for step in (step for run in modes["dflash_auto"] for step in run):
-            group = groups.setdefault((step[13], step[1] == full), [0, 0, 0.0])
-            group[0] += 1
-            group[1] += step[11]
-            group[2] += step[5]
         print(f"dflash_auto at c={full}, {len(modes['dflash_auto'])} passes, against the ar_auto passes' rate "
               f"({rate / 1e3:.2f} tokens a ms):")
-        for (reason, at_full), (count, tokens, seconds) in sorted(groups.items(), key=lambda item: -item[1][2]):
-            print(f"  {reason} at {'the full batch' if at_full else 'a smaller batch'}: {count} steps, "
-                  f"{seconds * 1e3:.1f} ms, {tokens} tokens, {(seconds - tokens / rate) * 1e3:+.1f} ms")
+        print("\n".join(breakdown([(step[13], step[1], step[11], step[5]) for run in modes["dflash_auto"]
+                                   for step in run], full, rate)))
     sys.stdout.flush()
 
 

@@ -131,42 +131,20 @@ def bench_options(concurrency: int, requests: int, max_new_tokens: int) -> dict[
 def _per_seed(regime: str, concurrency: int, workload: traces.Workload, seeds: list[int], breakdown: bool = False,
               **cell_options) -> None:
     """One line per seed: each static length's and auto's tokens/s over plain decoding (``simulate.cell``); with
-    ``breakdown``, then where auto's time went (``_breakdown``)."""
+    ``breakdown``, then where auto's time went (``simulate.breakdown``)."""
     from dflash_trt.bench import simulate
 
     for seed in seeds:
-        cell = simulate.cell(regime, concurrency, workload, seed=seed, **cell_options,
+        steps: list[tuple[str, int, int, float]] = []  # auto's, for the breakdown
+        cell = simulate.cell(regime, concurrency, workload, seed=seed, **cell_options, steps=steps,
                              policies=("plain", *(f"static:{k}" for k in simulate.STATIC_LENGTHS), "auto"))
         statics = "  ".join(f"{p} {cell.ratio(p):.3f}x" for p in cell.results if p.startswith("static:"))
         print(f"seed {seed}: {statics}  auto {cell.ratio('auto'):.3f}x ({cell.ratio('auto') / cell.best_fixed:.2f} of "
               f"the best fixed choice)")
-        if breakdown:
-            _breakdown(regime, concurrency, workload, seed, cell, **cell_options)
-
-
-def _breakdown(regime: str, concurrency: int, workload: traces.Workload, seed: int, cell, requests_per_slot: int = 4,
-               max_tokens: int | None = None, offset: int | None = None) -> None:
-    """Auto's steps in ``cell`` (run again: a run is deterministic by seed) grouped by the planner's reason and by
-    whether the batch was full: steps, time, tokens, and that time less plain decoding's for the same tokens at the
-    rate it ran in the cell (what each kind of step lost, or won, against plain decoding)."""
-    from dflash_trt.bench import simulate
-    from dflash_trt.bench.sim_regimes import REGIMES
-
-    steps: list[tuple[str, int, int, float]] = []
-    simulate.run(REGIMES[regime], workload, concurrency, "auto", seed=seed, max_tokens=max_tokens, offset=offset,
-                 requests=max(simulate.MIN_REQUESTS, requests_per_slot * concurrency), steps=steps)
-    plain = cell.results["plain"]
-    rate = plain.tokens / plain.seconds
-    groups: dict[tuple[str, bool], list[float]] = {}
-    for reason, batch, tokens, seconds in steps:
-        group = groups.setdefault((reason, batch == concurrency), [0, 0, 0.0])
-        group[0] += 1
-        group[1] += tokens
-        group[2] += seconds
-    for (reason, full), (count, tokens, seconds) in sorted(groups.items(), key=lambda item: -item[1][2]):
-        print(f"  {reason} at {'the full batch' if full else 'a smaller batch'}: {count} steps, "
-              f"{seconds * 1e3:.1f} ms, {tokens} tokens, {(seconds - tokens / rate) * 1e3:+.1f} ms against plain "
-              "decoding's rate")
+        if breakdown:  # where auto's time went, against plain decoding's rate in the cell
+            plain = cell.results["plain"]
+            print("\n".join(simulate.breakdown(steps, concurrency, plain.tokens / plain.seconds,
+                                               " against plain decoding's rate")))
 
 
 def by_start() -> None:

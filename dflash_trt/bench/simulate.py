@@ -247,7 +247,7 @@ def run(regime: Regime, workload: Workload, concurrency: int, policy: str, *, se
     have passed. ``max_tokens`` cuts each request's output there. ``offset``: the request of ``workload`` served first
     (the rest follow in order, from its start again after its last); None, one drawn by the seed. ``steps``: under
     ``auto``, each step's ``(the planner's reason, batch size, tokens committed, seconds)`` is appended to it
-    (``tools/simulate_policy.py bench --breakdown``). Deterministic by
+    (:func:`breakdown`). Deterministic by
     seed: the same seed gives every policy the same requests and the same load bursts at the same simulated times
     (counted from the start of serving; ``auto``'s calibration runs before it, in the schedule's first burst if it
     starts with one)."""
@@ -342,15 +342,33 @@ class Cell:
 
 
 def cell(regime: str, concurrency: int, workload: Workload, *, seed: int = 0, requests_per_slot: int = 4,
-         policies: tuple[str, ...] | None = None, max_tokens: int | None = None, offset: int | None = None) -> Cell:
+         policies: tuple[str, ...] | None = None, max_tokens: int | None = None, offset: int | None = None,
+         steps: list[tuple[str, int, int, float]] | None = None) -> Cell:
     """Every policy on the same requests, noise and bursts: ``requests_per_slot`` x ``concurrency`` requests
-    (at least ``MIN_REQUESTS``), from ``workload``'s request ``offset`` on (see :func:`run`)."""
+    (at least ``MIN_REQUESTS``), from ``workload``'s request ``offset`` on (see :func:`run`; ``steps``: auto's)."""
     policies = policies or ("plain", *(f"static:{k}" for k in STATIC_LENGTHS), "auto", "oracle")
     return Cell(regime, concurrency, workload.name, workload.tau,
                 {p: run(REGIMES[regime], workload, concurrency, p, seed=seed,
                         requests=max(MIN_REQUESTS, requests_per_slot * concurrency), max_tokens=max_tokens,
-                        offset=offset)
+                        offset=offset, steps=steps)
                  for p in policies})
+
+
+def breakdown(steps: list[tuple[str, int, int, float]], full: int, rate: float, suffix: str = "") -> list[str]:
+    """Adaptive steps ``(the planner's reason, batch size, tokens committed, seconds)`` grouped by reason and by
+    whether the batch was ``full``, dearest group first: each group's steps, time, tokens, and that time less plain
+    decoding's for as many tokens at ``rate`` (tokens a second): what each kind of step lost, or won, against it.
+    ``tools/simulate_policy.py bench --breakdown`` prints it for a simulated run, ``tools/auto_trace.py`` for a real
+    one."""
+    groups: dict[tuple[str, bool], list[float]] = {}
+    for reason, batch, tokens, seconds in steps:
+        group = groups.setdefault((reason, batch == full), [0, 0, 0.0])
+        group[0] += 1
+        group[1] += tokens
+        group[2] += seconds
+    return [f"  {reason} at {'the full batch' if at_full else 'a smaller batch'}: {count} steps, {seconds * 1e3:.1f} ms, "
+            f"{tokens} tokens, {(seconds - tokens / rate) * 1e3:+.1f} ms{suffix}"
+            for (reason, at_full), (count, tokens, seconds) in sorted(groups.items(), key=lambda item: -item[1][2])]
 
 
 CONCURRENCIES = (1, 4, 16, 64)
