@@ -15,13 +15,15 @@ given arguments, and records, for the adaptive session only:
   (``ar_auto``): whether its requests can draft, batch size, drafting rows, verify width, rows that keep a drafter
   (their verify computes context taps), the step's seconds, its verify's and its draft's, when it ended, the bench
   pass it belongs to (the bench's ``ar_auto`` and ``dflash_auto`` passes of the adaptive session; warm-up passes
-  included), the tokens it committed, and whether a drafting row took in context (a first draft). Per pass of more
-  than one step this prints its steps, its wall time, and where the time went (steps at its full batch, at a smaller
-  one, drafting steps, plain steps where some row keeps a drafter, time outside the steps: admitting and prefilling
-  requests); per concurrency, the adaptive passes' steps by the planner's reason (the last column) and whether the
-  batch was full, against the rate of the session's plain passes at that concurrency (as ``tools/simulate_policy.py
-  bench --breakdown`` prints for a simulated run); and per bench mode, batch size and verify width, the median steady
-  step (no row took in context) and its verify, draft and the rest, which the simulated CPU's costs are compared with
+  included), the tokens it committed, whether a drafting row took in context (a first draft), the planner's reason,
+  and for a drafting step what the planner predicted it would commit and take. Per pass of more than one step this
+  prints its steps, its wall time, and where the time went (steps at its full batch, at a smaller one, drafting steps,
+  plain steps where some row keeps a drafter, time outside the steps: admitting and prefilling requests); per
+  concurrency, the adaptive passes' steps by the planner's reason and whether the batch was full, against the rate of
+  the session's plain passes at that concurrency (as ``tools/simulate_policy.py bench --breakdown`` prints for a
+  simulated run); the drafting steps' predicted tokens and time against the realised ones, by reason, draft length,
+  batch size and intake; and per bench mode, batch size and verify width, the median steady step (no row took in
+  context) and its verify, draft and the rest, which the simulated CPU's costs are compared with
   (``dflash_trt/bench/sim_regimes.py``).
 - with ``--mode static`` (or ``off``), ``--steps`` records the steps of the sessions of that mode instead: a static
   (or plain) server's, to set its step times beside an adaptive server's (decisions stay the adaptive session's).
@@ -67,6 +69,7 @@ def main() -> None:
     overheads: dict[bool, list[float]] = {True: [], False: []}
     deciding: dict[str, list[float]] = {}
     steps: list[tuple] = []
+    predictions: dict[int, tuple[float, float] | None] = {}  # planner id -> its plan's (tokens, ms) a step, predicted
     current_pass: list = [0, "warm-up"]  # the bench pass running now: its number and mode (none yet: warm-up)
     decide, record_costs = planner.AutoPlanner._decide, scheduler.Scheduler.record_costs
     scheduler_init = scheduler.Scheduler.__init__
@@ -92,6 +95,7 @@ def main() -> None:
         decisions.append((batch, plan.reason, max(plan.lengths), sum(r.retired for r in requests), len(live), e15,
                           rates, f"{plan.plain_step_s * 1e3:.2f}", f"{(self.credit_s or 0) * 1e3:.2f}",
                           self.realised_gain(batch)))
+        predictions[id(self)] = predicted_step(self, requests, plan)
         return plan
 
     def traced_record_costs(self, report):
@@ -106,7 +110,7 @@ def main() -> None:
                       report.seconds, report.verify_s, report.draft_s, time.perf_counter(), current_pass[0],
                       current_pass[1], len(report.rows) + sum(report.accepted), report.took_in_context,
                       self.planner.last_plan.reason if self.speculation.mode == "auto" and self.planner.last_plan
-                      else "-"))
+                      else "-", *(predictions.get(id(self.planner)) or (None, None))))
 
     def traced_init(self, *init_args, **init_kwargs):
         scheduler_init(self, *init_args, **init_kwargs)
@@ -131,12 +135,15 @@ def main() -> None:
         if args.steps:
             with open(args.steps, "w") as out:
                 out.write("drafter\tbatch\tdraft_rows\tverify_width\tkeeps_drafter\tstep_ms\tverify_ms\tdraft_ms\t"
-                          "ended_s\tpass\tmode\tcommitted\ttook_in_context\treason\n")
+                          "ended_s\tpass\tmode\tcommitted\ttook_in_context\treason\tpredicted_tokens\t"
+                          "predicted_ms\n")
                 for row in steps:
-                    out.write("\t".join(str(v) if isinstance(v, (bool, int, str)) else f"{v * 1e3:.4f}" if i < 8
-                                        else f"{v:.6f}" for i, v in enumerate(row)) + "\n")
+                    out.write("\t".join("" if v is None else str(v) if isinstance(v, (bool, int, str))
+                                        else f"{v * 1e3:.4f}" if i < 8 else f"{v:.6f}" for i, v in enumerate(row))
+                              + "\n")
             summarise_passes(steps)
             summarise_reasons(steps)
+            summarise_predictions(steps)
             summarise_step_costs(steps)
 
 
@@ -209,6 +216,37 @@ def summarise_reasons(steps: list[tuple]) -> None:
               f"({rate / 1e3:.2f} tokens a ms):")
         print("\n".join(breakdown([(step[13], step[1], step[11], step[5]) for run in modes["dflash_auto"]
                                    for step in run], full, rate)))
+    sys.stdout.flush()
+
+
+def predicted_step(planner_: planner.AutoPlanner, requests: list[planner.RequestMemory],
+                   plan: planner.Plan) -> tuple[float, float] | None:
+    """What the planner expects a step of ``plan`` to commit and to take (ms), from the estimates and costs it decided
+    on (the session prior; a lone greedy request's own cycles), for a plan that drafts; None for one that does not."""
+    if not any(plan.lengths):
+        return None
+    estimates = planner_._estimates(requests, planner_.prior.conditional())
+    tokens = sum(expected_tokens(alphas, length) for alphas, length in zip(estimates, plan.lengths))
+    drafting = sum(1 for length in plan.lengths if length)
+    return tokens, planner_.costs.step(len(plan.lengths), drafting, max(plan.lengths)) * 1e3
+
+
+def summarise_predictions(steps: list[tuple]) -> None:
+    """The adaptive session's drafting steps (``--steps`` rows with a prediction) by the planner's reason, draft length
+    (the verify width less one), batch size and whether a row took in context: tokens committed and time a step, as
+    predicted when the step was planned and as realised. Where the two part, the planner drafted on a prediction that
+    did not hold."""
+    groups: dict[tuple[str, int, int, bool], list[tuple]] = {}
+    for step in steps:
+        if step[14] is not None:
+            groups.setdefault((step[13], step[3] - 1, step[1], step[12]), []).append(step)
+    for (reason, length, batch, took_in_context), chosen in sorted(groups.items()):
+        count = len(chosen)
+        tokens = [sum(s[i] for s in chosen) / count for i in (14, 11)]
+        millis = [sum(s[15] for s in chosen) / count, sum(s[5] for s in chosen) / count * 1e3]
+        print(f"{reason} k={length} at batch {batch}{', taking in context' if took_in_context else ''}: {count} steps, "
+              f"tokens a step {tokens[0]:.1f} predicted, {tokens[1]:.1f} realised ({tokens[1] / tokens[0]:.2f}); "
+              f"ms a step {millis[0]:.2f} predicted, {millis[1]:.2f} realised ({millis[1] / millis[0]:.2f})")
     sys.stdout.flush()
 
 
