@@ -16,7 +16,7 @@ given arguments, and records, for the adaptive session only:
   (their verify computes context taps), the step's seconds, its verify's and its draft's, when it ended, the bench
   pass it belongs to (the bench's ``ar_auto`` and ``dflash_auto`` passes of the adaptive session; warm-up passes
   included), the tokens it committed, whether a drafting row took in context (a first draft), the planner's reason,
-  and for a drafting step what the planner predicted it would commit and take. Per pass of more than one step this
+  for a drafting step what the planner predicted it would commit and take, and its deciding time. Per pass of more than one step this
   prints its steps, its wall time, and where the time went (steps at its full batch, at a smaller one, drafting steps,
   plain steps where some row keeps a drafter, time outside the steps: admitting and prefilling requests); per
   concurrency, the adaptive passes' steps by the planner's reason and whether the batch was full, against the rate of
@@ -110,7 +110,7 @@ def main() -> None:
                       report.seconds, report.verify_s, report.draft_s, time.perf_counter(), current_pass[0],
                       current_pass[1], len(report.rows) + sum(report.accepted), report.took_in_context,
                       self.planner.last_plan.reason if self.speculation.mode == "auto" and self.planner.last_plan
-                      else "-", *(predictions.get(id(self.planner)) or (None, None))))
+                      else "-", *(predictions.get(id(self.planner)) or (None, None)), report.plan_s))
 
     def traced_init(self, *init_args, **init_kwargs):
         scheduler_init(self, *init_args, **init_kwargs)
@@ -136,11 +136,11 @@ def main() -> None:
             with open(args.steps, "w") as out:
                 out.write("drafter\tbatch\tdraft_rows\tverify_width\tkeeps_drafter\tstep_ms\tverify_ms\tdraft_ms\t"
                           "ended_s\tpass\tmode\tcommitted\ttook_in_context\treason\tpredicted_tokens\t"
-                          "predicted_ms\n")
+                          "predicted_ms\tdeciding_ms\n")
                 for row in steps:
                     out.write("\t".join("" if v is None else str(v) if isinstance(v, (bool, int, str))
-                                        else f"{v * 1e3:.4f}" if i < 8 else f"{v:.6f}" for i, v in enumerate(row))
-                              + "\n")
+                                        else f"{v * 1e3:.4f}" if i < 8 or i == 16 else f"{v:.6f}"
+                                        for i, v in enumerate(row)) + "\n")
             summarise_passes(steps)
             summarise_reasons(steps)
             summarise_predictions(steps)
@@ -234,8 +234,9 @@ def predicted_step(planner_: planner.AutoPlanner, requests: list[planner.Request
 def summarise_predictions(steps: list[tuple]) -> None:
     """The adaptive session's drafting steps (``--steps`` rows with a prediction) by the planner's reason, draft length
     (the verify width less one), batch size and whether a row took in context: tokens committed and time a step, as
-    predicted when the step was planned and as realised. Where the two part, the planner drafted on a prediction that
-    did not hold."""
+    predicted when the step was planned and as realised, the deciding left out (the cost model prices a step without
+    it, and this tool's own logging runs in it). Where the two part, the planner drafted on a prediction that did not
+    hold."""
     groups: dict[tuple[str, int, int, bool], list[tuple]] = {}
     for step in steps:
         if step[14] is not None:
@@ -243,7 +244,7 @@ def summarise_predictions(steps: list[tuple]) -> None:
     for (reason, length, batch, took_in_context), chosen in sorted(groups.items()):
         count = len(chosen)
         tokens = [sum(s[i] for s in chosen) / count for i in (14, 11)]
-        millis = [sum(s[15] for s in chosen) / count, sum(s[5] for s in chosen) / count * 1e3]
+        millis = [sum(s[15] for s in chosen) / count, sum(s[5] - s[16] for s in chosen) / count * 1e3]
         print(f"{reason} k={length} at batch {batch}{', taking in context' if took_in_context else ''}: {count} steps, "
               f"tokens a step {tokens[0]:.1f} predicted, {tokens[1]:.1f} realised ({tokens[1] / tokens[0]:.2f}); "
               f"ms a step {millis[0]:.2f} predicted, {millis[1]:.2f} realised ({millis[1] / millis[0]:.2f})")

@@ -16,10 +16,11 @@ def step(ended: float, number: int, mode: str = "dflash_auto", batch: int = 4, d
          seconds: float = 0.002, reason: str = "plain", predicted: tuple[float, float] | None = None,
          took_in_context: bool = False) -> tuple:
     """A ``--steps`` row: (drafter, batch, draft rows, verify width, keeps a drafter, seconds, verify, draft, ended,
-    pass, mode, tokens committed, took in context, the planner's reason, predicted tokens, predicted ms). A drafting
-    row drafts 3 and accepts 2."""
+    pass, mode, tokens committed, took in context, the planner's reason, predicted tokens, predicted ms, deciding). A
+    drafting row drafts 3 and accepts 2; deciding took a tenth of the step."""
     return (mode == "dflash_auto", batch, draft_rows, 1 + 3 * bool(draft_rows), keeps, seconds, seconds / 2, 0.0,
-            ended, number, mode, batch + 2 * draft_rows, took_in_context, reason, *(predicted or (None, None)))
+            ended, number, mode, batch + 2 * draft_rows, took_in_context, reason, *(predicted or (None, None)),
+            seconds / 10)
 
 
 def test_steps_are_grouped_by_the_pass_they_ran_in():
@@ -53,18 +54,19 @@ def test_adaptive_steps_are_set_against_the_plain_passes_rate_by_reason_and_batc
 
 
 def test_drafting_steps_are_set_against_what_the_planner_predicted_for_them(capsys):
-    """Per reason, draft length, batch and intake: the mean predicted and realised tokens and time a step (steps
-    without a prediction, the plain ones, left out). Two exploiting steps of k=3 at batch 4 that each committed 8
-    tokens in 3 and 5 ms were predicted 10 tokens in 3.2 ms; one that took in context, 8 in 4 ms."""
+    """Per reason, draft length, batch and intake: the mean predicted and realised tokens and time a step, the
+    deciding left out (steps without a prediction, the plain ones, left out). Two exploiting steps of k=3 at batch 4
+    that each committed 12 tokens in 3 and 5 ms (2.7 and 4.5 ms without their deciding) were predicted 10 tokens in
+    3.2 ms; one that took in context, 8 in 4 ms."""
     steps = [step(0.01, 1, draft_rows=4, seconds=s, reason="exploit", predicted=(10.0, 3.2)) for s in (0.003, 0.005)]
     steps += [step(0.02, 1, draft_rows=4, seconds=0.006, reason="exploit", predicted=(8.0, 4.0), took_in_context=True),
               step(0.03, 1)]
     trace.summarise_predictions(steps)
     assert capsys.readouterr().out == (
         "exploit k=3 at batch 4: 2 steps, tokens a step 10.0 predicted, 12.0 realised (1.20); ms a step 3.20 "
-        "predicted, 4.00 realised (1.25)\n"
+        "predicted, 3.60 realised (1.12)\n"
         "exploit k=3 at batch 4, taking in context: 1 steps, tokens a step 8.0 predicted, 12.0 realised (1.50); ms a "
-        "step 4.00 predicted, 6.00 realised (1.50)\n")
+        "step 4.00 predicted, 5.40 realised (1.35)\n")
 
 
 def test_step_costs_are_medians_of_the_steady_steps_per_mode_batch_and_width(capsys):
