@@ -10,7 +10,8 @@ What is simulated, and nothing else:
   accept what the request's acceptance trace says (``bench/acceptance_traces.py``): every draft proposes token 1,
   and the target's row ``i`` agrees while ``i`` is below the accepted count. Decoding is greedy; T=1 traces carry
   the sampled acceptance. Prefill costs no simulated time (the same for every policy; throughput is decode
-  tokens over decode time).
+  tokens over decode time). A step's drafting rows are priced in the calls every backend makes
+  (``plugins/interface.py``, ``intake_groups``): rows taking in a prompt in a call of their own.
 
 Everything else is the real code: ``Scheduler._admit`` / ``_step`` (the body of its worker loop, called here
 without the thread), ``calibrate`` on the simulated backend, ``CostModel``, ``AutoPlanner``, ``RequestState``.
@@ -33,7 +34,7 @@ import torch
 from dflash_trt.bench.acceptance_traces import Workload
 from dflash_trt.bench.sim_regimes import REGIMES, Regime
 from dflash_trt.config import SamplingParams
-from dflash_trt.plugins.interface import DraftRow, TargetRow
+from dflash_trt.plugins.interface import DraftRow, TargetRow, intake_groups
 from dflash_trt.runtime import calibration
 from dflash_trt.runtime.costs import CostModel
 from dflash_trt.runtime.request import RequestState
@@ -145,7 +146,8 @@ class SimBackend:
         return out
 
     def draft_batch(self, rows: list[DraftRow]) -> list[torch.Tensor]:
-        self._spend(self.regime.draft([(r.start, len(r.block), r.taps.shape[0]) for r in rows]))
+        for group in intake_groups(rows):  # the calls every backend makes: rows taking in a prompt in their own
+            self._spend(self.regime.draft([(rows[i].start, len(rows[i].block), rows[i].taps.shape[0]) for i in group]))
         self._step_drafted = True
         return [self._draft_logits(len(r.block) - 1) for r in rows]
 
