@@ -13,10 +13,10 @@ given arguments, and records, for the adaptive session only:
 - how long each decision took, by its reason (timed before this tool's own logging);
 - with ``--steps FILE`` (a TSV), every step of the adaptive session, plain decoding's passes in it included
   (``ar_auto``): whether its requests can draft, batch size, drafting rows, verify width, rows that keep a drafter
-  (their verify computes context taps), the step's seconds, its verify's and its draft's, when it ended, the bench
-  pass it belongs to (the bench's ``ar_auto`` and ``dflash_auto`` passes of the adaptive session; warm-up passes
-  included), the tokens it committed, whether a drafting row took in context (a first draft), the planner's reason,
-  for a drafting step what the planner predicted it would commit and take, and its deciding time. Per pass of more than one step this
+  (their verify computes context taps), the step's seconds, its verify's and its draft's, when it ended, the bench pass
+  it belongs to (the bench's ``ar_auto`` and ``dflash_auto`` passes of the adaptive session; warm-up passes included),
+  the tokens it committed, whether a drafting row took in context (a first draft), the planner's reason, for a drafting
+  step what the planner predicted it would commit and take, and its deciding time. Per pass of more than one step this
   prints its steps, its wall time, and where the time went (steps at its full batch, at a smaller one, drafting steps,
   plain steps where some row keeps a drafter, time outside the steps: admitting and prefilling requests); per
   concurrency, the adaptive passes' steps by the planner's reason and whether the batch was full, against the rate of
