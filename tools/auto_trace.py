@@ -86,8 +86,8 @@ def main() -> None:
         deciding.setdefault(plan.reason, []).append(time.perf_counter() - began)  # before this tracer's own work
         batch, live = len(requests), [r for r in requests if r.live]
         rates, e15 = "", ""
+        prior = self.prior.conditional()  # as the plan was decided on (this tracer's own work from here on)
         if live and self.informed:
-            prior = self.prior.conditional()
             _, predicted = auto_length(self.costs, [prior] * batch, [r.wanted for r in requests])
             guess = {k: "" if self.costs.known(batch, len(live), k) else "?" for k in predicted if k}  # ?: cost a guess
             rates = " ".join(f"{k}:{predicted[k] / predicted[0]:.2f}{guess[k]}" for k in sorted(predicted) if k)
@@ -95,7 +95,7 @@ def main() -> None:
         decisions.append((batch, plan.reason, max(plan.lengths), sum(r.retired for r in requests), len(live), e15,
                           rates, f"{plan.plain_step_s * 1e3:.2f}", f"{(self.credit_s or 0) * 1e3:.2f}",
                           self.realised_gain(batch)))
-        predictions[id(self)] = predicted_step(self, requests, plan)
+        predictions[id(self)] = predicted_step(self, requests, plan, prior)
         return plan
 
     def traced_record_costs(self, report):
@@ -202,7 +202,8 @@ def summarise_reasons(steps: list[tuple]) -> None:
     """Per concurrency (a pass's largest batch), the adaptive passes' steps by the planner's reason and whether the
     batch was full: steps, time, tokens, and that time less what the session's plain passes (``ar_auto``) at the same
     concurrency took for as many tokens (their committed tokens over their steps' time): what each kind of step lost,
-    or won, against plain decoding; ``tools/simulate_policy.py bench --breakdown`` prints the same for a simulated run."""
+    or won, against plain decoding; ``tools/simulate_policy.py bench --breakdown`` prints the same for a simulated
+    run."""
     cells: dict[int, dict[str, list[list[tuple]]]] = {}
     for run in passes(steps):
         if run[0][10] in ("ar_auto", "dflash_auto") and len(run) > 1:
@@ -219,13 +220,14 @@ def summarise_reasons(steps: list[tuple]) -> None:
     sys.stdout.flush()
 
 
-def predicted_step(planner_: planner.AutoPlanner, requests: list[planner.RequestMemory],
-                   plan: planner.Plan) -> tuple[float, float] | None:
+def predicted_step(planner_: planner.AutoPlanner, requests: list[planner.RequestMemory], plan: planner.Plan,
+                   prior: list[float]) -> tuple[float, float] | None:
     """What the planner expects a step of ``plan`` to commit and to take (ms), from the estimates and costs it decided
-    on (the session prior; a lone greedy request's own cycles), for a plan that drafts; None for one that does not."""
+    on (the session ``prior``, its conditional acceptance; a lone greedy request's own cycles), for a plan that drafts;
+    None for one that does not."""
     if not any(plan.lengths):
         return None
-    estimates = planner_._estimates(requests, planner_.prior.conditional())
+    estimates = planner_._estimates(requests, prior)
     tokens = sum(expected_tokens(alphas, length) for alphas, length in zip(estimates, plan.lengths))
     drafting = sum(1 for length in plan.lengths if length)
     return tokens, planner_.costs.step(len(plan.lengths), drafting, max(plan.lengths)) * 1e3

@@ -4,11 +4,11 @@ A *regime* prices one forward from its rows, each ``(context, width)`` (position
 computed), and the host time of a scheduler step outside its forwards:
 
 - ``cpu``: the embedded stories260K pair's ONNX Runtime engine on this repository's 2-core Xeon, from the costs
-  ``dflash-trt bench`` measured (docs/benchmarks.md, "Engines": plain step 0.58 ms, verify(16) 0.81 ms, draft(16) 0.69
-  ms and 0.32 ms of other work per cycle at c=1; a 16-row x 16-token verify 5.5-8 ms; plain decoding at c=16 ~5x its c=1
-  throughput; attention ~14 ns per key, head and layer), as a base plus a per-token term (tests/cost_tables.py's form).
-  A verify that hands over context taps (some row keeps a drafter) costs 11 us more per row: plain steps of drafting
-  requests took 1.73 ms against plain requests' 1.55 ms at batch 16 (``tools/plain_steps_ab.py``,
+  ``dflash-trt bench`` measured (docs/benchmarks.md, "Engines": plain step 0.58 ms, verify(16) 0.81 ms, draft(16)
+  0.69 ms and 0.32 ms of other work per cycle at c=1; a 16-row x 16-token verify 5.5-8 ms; plain decoding at c=16 ~5x
+  its c=1 throughput; attention ~14 ns per key, head and layer), as a base plus a per-token term (tests/cost_tables.py's
+  form). A verify that hands over context taps (some row keeps a drafter) costs 11 us more per row: plain steps of
+  drafting requests took 1.73 ms against plain requests' 1.55 ms at batch 16 (``tools/plain_steps_ab.py``,
   docs/adaptive-notebook.md, "Waiting for a guess"). Draft calls are priced batched (the torch backend's; the engine's
   drafter takes one request per call, which makes drafting dearer at c > 1 than here), the rows taking in a prompt in a
   call of their own as every backend makes them. These are the machine's slower state: on a fast stretch of a later day

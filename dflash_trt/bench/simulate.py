@@ -368,8 +368,8 @@ def breakdown(steps: list[tuple[str, int, int, float]], full: int, rate: float, 
         group[0] += 1
         group[1] += tokens
         group[2] += seconds
-    return [f"  {reason} at {'the full batch' if at_full else 'a smaller batch'}: {count} steps, {seconds * 1e3:.1f} ms, "
-            f"{tokens} tokens, {(seconds - tokens / rate) * 1e3:+.1f} ms{suffix}"
+    return [f"  {reason} at {'the full batch' if at_full else 'a smaller batch'}: {count} steps, "
+            f"{seconds * 1e3:.1f} ms, {tokens} tokens, {(seconds - tokens / rate) * 1e3:+.1f} ms{suffix}"
             for (reason, at_full), (count, tokens, seconds) in sorted(groups.items(), key=lambda item: -item[1][2])]
 
 

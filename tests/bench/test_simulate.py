@@ -180,8 +180,8 @@ SHORT_MISSES: dict[tuple[str, int, str], str] = {  # (regime, concurrency, workl
                                    ("h200-1k", 64), ("h200-32k", 64))},
     **{(regime, 4, "stories_t0"): ("on one wave of 32-token responses at c=4 the batch exploits k=7 (216 cycles, "
                                     "auto 2.46-2.55x plain, static k=7's level) where static k=15 wins 2.64-2.75x; it "
-                                    "passed before the simulator priced each prompt's intake in a draft call of its own, "
-                                    "as the backends draft it, and at the docs table's scale these cells pass "
+                                    "passed before the simulator priced each prompt's intake in a draft call of its "
+                                    "own, as the backends draft it, and at the docs table's scale these cells pass "
                                     "(docs/adaptive-notebook.md, \"The simulator drafts as the backends do\")")
        for regime in ("h200-1k", "compute-bound")},
     ("cpu", 4, "stories_t0"): ("drafting breaks even at this scale (static k=3 and k=7 at 0.95x plain): each 32-token "

@@ -3,6 +3,8 @@ runs (bench/acceptance_traces.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from repo_tool import load_tool
 
@@ -66,8 +68,6 @@ def test_a_bench_cell_from_offset_0_serves_the_bench_commands_own_prompts_in_ord
 
 def test_a_bench_breakdown_accounts_for_every_step_of_the_adaptive_run(capsys):
     """``--breakdown``: auto's steps by the planner's reason and batch, whose times add up to the run's."""
-    import re
-
     assert simulate_policy.main(["bench", "--regime", "cpu-torch", "--concurrency", "4", "--seeds", "1",
                                  "--max-new-tokens", "16", "--breakdown"]) == 0
     out = capsys.readouterr().out.splitlines()
