@@ -46,11 +46,51 @@ import statistics
 import sys
 import time
 from collections import Counter
+from typing import NamedTuple
 
 from dflash_trt.bench import runners
 from dflash_trt.bench.simulate import breakdown
 from dflash_trt.runtime import planner, scheduler
 from dflash_trt.runtime.policy import auto_length, expected_tokens
+
+
+class StepRow(NamedTuple):
+    """One step of the traced session, as ``--steps`` writes it (times in seconds; the file has them in ms but for
+    ``ended_s``)."""
+
+    drafter: bool  # some row of the step can draft (an adaptive session's ``dflash_auto`` pass)
+    batch: int
+    draft_rows: int
+    verify_width: int
+    keeps_drafter: int  # rows that keep a drafter (their verify computes context taps)
+    seconds: float
+    verify_s: float
+    draft_s: float
+    ended_s: float  # ``time.perf_counter()`` when its subscribers ran
+    pass_number: int  # the bench pass it ran in (0: none yet, a server's steps)
+    mode: str  # that pass's mode (``warm-up`` before the first)
+    committed: int  # tokens committed
+    took_in_context: bool  # a drafting row took in more context than a block (a first draft)
+    reason: str  # the planner's (``-`` outside an adaptive session)
+    predicted_tokens: float | None  # for a drafting step: what the planner expected it to commit ...
+    predicted_ms: float | None  # ... and to take (``predicted_step``)
+    deciding_s: float
+
+
+_STEP_COLUMNS = ("drafter", "batch", "draft_rows", "verify_width", "keeps_drafter", "step_ms", "verify_ms",
+                 "draft_ms", "ended_s", "pass", "mode", "committed", "took_in_context", "reason", "predicted_tokens",
+                 "predicted_ms", "deciding_ms")
+"""The ``--steps`` file's header, one name per :class:`StepRow` field."""
+
+
+def _step_cell(column: str, value) -> str:
+    """A ``--steps`` cell: times in ms (``ended_s`` in seconds; ``predicted_ms`` is in ms already), counts and flags as
+    they are, a missing value empty."""
+    if value is None:
+        return ""
+    if isinstance(value, (bool, int, str)):
+        return str(value)
+    return f"{value * 1e3:.4f}" if column.endswith("_ms") and column != "predicted_ms" else f"{value:.6f}"
 
 
 def main() -> None:
@@ -68,7 +108,7 @@ def main() -> None:
     decisions: list[tuple] = []
     overheads: dict[bool, list[float]] = {True: [], False: []}
     deciding: dict[str, list[float]] = {}
-    steps: list[tuple] = []
+    steps: list[StepRow] = []
     predictions: dict[int, tuple[float, float] | None] = {}  # planner id -> its plan's (tokens, ms) a step, predicted
     current_pass: list = [0, "warm-up"]  # the bench pass running now: its number and mode (none yet: warm-up)
     decide, record_costs = planner.AutoPlanner._decide, scheduler.Scheduler.record_costs
@@ -105,12 +145,14 @@ def main() -> None:
 
     def traced_step(self, report):
         entries = self._step_entries  # the step's requests, by id of their state (set before subscribers run)
-        steps.append((any(entries[id(state)].memory.wanted for state in report.rows), len(report.rows),
-                      report.draft_rows, report.verify_width, sum(1 for state in report.rows if state.uses_drafter),
-                      report.seconds, report.verify_s, report.draft_s, time.perf_counter(), current_pass[0],
-                      current_pass[1], len(report.rows) + sum(report.accepted), report.took_in_context,
-                      self.planner.last_plan.reason if self.speculation.mode == "auto" and self.planner.last_plan
-                      else "-", *(predictions.get(id(self.planner)) or (None, None)), report.plan_s))
+        steps.append(StepRow(any(entries[id(state)].memory.wanted for state in report.rows), len(report.rows),
+                             report.draft_rows, report.verify_width,
+                             sum(1 for state in report.rows if state.uses_drafter), report.seconds, report.verify_s,
+                             report.draft_s, time.perf_counter(), current_pass[0], current_pass[1],
+                             len(report.rows) + sum(report.accepted), report.took_in_context,
+                             self.planner.last_plan.reason if self.speculation.mode == "auto"
+                             and self.planner.last_plan else "-", *(predictions.get(id(self.planner)) or (None, None)),
+                             report.plan_s))
 
     def traced_init(self, *init_args, **init_kwargs):
         scheduler_init(self, *init_args, **init_kwargs)
@@ -134,13 +176,9 @@ def main() -> None:
         summarise(decisions, overheads, deciding)
         if args.steps:
             with open(args.steps, "w") as out:
-                out.write("drafter\tbatch\tdraft_rows\tverify_width\tkeeps_drafter\tstep_ms\tverify_ms\tdraft_ms\t"
-                          "ended_s\tpass\tmode\tcommitted\ttook_in_context\treason\tpredicted_tokens\t"
-                          "predicted_ms\tdeciding_ms\n")
+                out.write("\t".join(_STEP_COLUMNS) + "\n")
                 for row in steps:
-                    out.write("\t".join("" if v is None else str(v) if isinstance(v, (bool, int, str))
-                                        else f"{v * 1e3:.4f}" if i < 8 or i == 16 else f"{v:.6f}"
-                                        for i, v in enumerate(row)) + "\n")
+                    out.write("\t".join(_step_cell(column, v) for column, v in zip(_STEP_COLUMNS, row)) + "\n")
             summarise_passes(steps)
             summarise_reasons(steps)
             summarise_predictions(steps)
@@ -168,55 +206,55 @@ def summarise(decisions: list[tuple], overheads: dict[bool, list[float]], decidi
     sys.stdout.flush()
 
 
-def passes(steps: list[tuple]) -> list[list[tuple]]:
+def passes(steps: list[StepRow]) -> list[list[StepRow]]:
     """The steps of each bench pass, in order (``--steps`` rows: the pass number is their tenth field)."""
-    runs: dict[int, list[tuple]] = {}
+    runs: dict[int, list[StepRow]] = {}
     for step in steps:
-        runs.setdefault(step[9], []).append(step)
+        runs.setdefault(step.pass_number, []).append(step)
     return list(runs.values())
 
 
-def summarise_passes(steps: list[tuple]) -> None:
+def summarise_passes(steps: list[StepRow]) -> None:
     """Per pass of the adaptive session: where its time went (``--steps``). Passes of one step (the bench's warm-up
     requests) are left out."""
     for run in passes(steps):
         if len(run) < 2:
             continue
-        full = max(step[1] for step in run)
-        wall = run[-1][8] - run[0][8] + run[0][5]
-        in_steps = sum(step[5] for step in run)
+        full = max(step.batch for step in run)
+        wall = run[-1].ended_s - run[0].ended_s + run[0].seconds
+        in_steps = sum(step.seconds for step in run)
 
-        def part(label: str, chosen: list[tuple]) -> str:
-            return f"{label} {len(chosen)} ({sum(step[5] for step in chosen) * 1e3:.0f} ms)"
+        def part(label: str, chosen: list[StepRow]) -> str:
+            return f"{label} {len(chosen)} ({sum(step.seconds for step in chosen) * 1e3:.0f} ms)"
 
-        print(f"{run[0][10]} pass: {len(run)} steps, {wall * 1e3:.0f} ms; "
-              + ", ".join([part(f"at batch {full}", [s for s in run if s[1] == full]),
-                           part("smaller", [s for s in run if s[1] < full]),
-                           part("drafting", [s for s in run if s[2]]),
-                           part("plain with a drafter kept", [s for s in run if not s[2] and s[4]])])
+        print(f"{run[0].mode} pass: {len(run)} steps, {wall * 1e3:.0f} ms; "
+              + ", ".join([part(f"at batch {full}", [s for s in run if s.batch == full]),
+                           part("smaller", [s for s in run if s.batch < full]),
+                           part("drafting", [s for s in run if s.draft_rows]),
+                           part("plain with a drafter kept", [s for s in run if not s.draft_rows and s.keeps_drafter])])
               + f"; outside the steps {(wall - in_steps) * 1e3:.0f} ms")
     sys.stdout.flush()
 
 
-def summarise_reasons(steps: list[tuple]) -> None:
+def summarise_reasons(steps: list[StepRow]) -> None:
     """Per concurrency (a pass's largest batch), the adaptive passes' steps by the planner's reason and whether the
     batch was full: steps, time, tokens, and that time less what the session's plain passes (``ar_auto``) at the same
     concurrency took for as many tokens (their committed tokens over their steps' time): what each kind of step lost,
     or won, against plain decoding; ``tools/simulate_policy.py bench --breakdown`` prints the same for a simulated
     run."""
-    cells: dict[int, dict[str, list[list[tuple]]]] = {}
+    cells: dict[int, dict[str, list[list[StepRow]]]] = {}
     for run in passes(steps):
-        if run[0][10] in ("ar_auto", "dflash_auto") and len(run) > 1:
-            cells.setdefault(max(step[1] for step in run), {}).setdefault(run[0][10], []).append(run)
+        if run[0].mode in ("ar_auto", "dflash_auto") and len(run) > 1:
+            cells.setdefault(max(step.batch for step in run), {}).setdefault(run[0].mode, []).append(run)
     for full, modes in sorted(cells.items()):
         plain = [step for run in modes.get("ar_auto", []) for step in run]
         if not plain or "dflash_auto" not in modes:
             continue
-        rate = sum(step[11] for step in plain) / sum(step[5] for step in plain)
+        rate = sum(step.committed for step in plain) / sum(step.seconds for step in plain)
         print(f"dflash_auto at c={full}, {len(modes['dflash_auto'])} passes, against the ar_auto passes' rate "
               f"({rate / 1e3:.2f} tokens a ms):")
-        print("\n".join(breakdown([(step[13], step[1], step[11], step[5]) for run in modes["dflash_auto"]
-                                   for step in run], full, rate)))
+        print("\n".join(breakdown([(step.reason, step.batch, step.committed, step.seconds)
+                                   for run in modes["dflash_auto"] for step in run], full, rate)))
     sys.stdout.flush()
 
 
@@ -233,39 +271,41 @@ def predicted_step(planner_: planner.AutoPlanner, requests: list[planner.Request
     return tokens, planner_.costs.step(len(plan.lengths), drafting, max(plan.lengths)) * 1e3
 
 
-def summarise_predictions(steps: list[tuple]) -> None:
+def summarise_predictions(steps: list[StepRow]) -> None:
     """The adaptive session's drafting steps (``--steps`` rows with a prediction) by the planner's reason, draft length
     (the verify width less one), batch size and whether a row took in context: tokens committed and time a step, as
     predicted when the step was planned and as realised, the deciding left out (the cost model prices a step without
     it, and this tool's own logging runs in it). Where the two part, the planner drafted on a prediction that did not
     hold."""
-    groups: dict[tuple[str, int, int, bool], list[tuple]] = {}
+    groups: dict[tuple[str, int, int, bool], list[StepRow]] = {}
     for step in steps:
-        if step[14] is not None:
-            groups.setdefault((step[13], step[3] - 1, step[1], step[12]), []).append(step)
+        if step.predicted_tokens is not None:
+            groups.setdefault((step.reason, step.verify_width - 1, step.batch, step.took_in_context), []).append(step)
     for (reason, length, batch, took_in_context), chosen in sorted(groups.items()):
         count = len(chosen)
-        tokens = [sum(s[i] for s in chosen) / count for i in (14, 11)]
-        millis = [sum(s[15] for s in chosen) / count, sum(s[5] - s[16] for s in chosen) / count * 1e3]
+        tokens = [sum(s.predicted_tokens for s in chosen) / count, sum(s.committed for s in chosen) / count]
+        millis = [sum(s.predicted_ms for s in chosen) / count,
+                  sum(s.seconds - s.deciding_s for s in chosen) / count * 1e3]
         print(f"{reason} k={length} at batch {batch}{', taking in context' if took_in_context else ''}: {count} steps, "
               f"tokens a step {tokens[0]:.1f} predicted, {tokens[1]:.1f} realised ({tokens[1] / tokens[0]:.2f}); "
               f"ms a step {millis[0]:.2f} predicted, {millis[1]:.2f} realised ({millis[1] / millis[0]:.2f})")
     sys.stdout.flush()
 
 
-def summarise_step_costs(steps: list[tuple], least: int = 20) -> None:
+def summarise_step_costs(steps: list[StepRow], least: int = 20) -> None:
     """Per bench mode, batch size and verify width, over the steady steps (no row took in context; at least ``least``
     of them): the median step, verify, draft and the rest of the step (deciding included). The simulated CPU's costs
     (``dflash_trt/bench/sim_regimes.py``, ``cpu``) are compared with these."""
-    kept: dict[tuple[str, int, int], list[tuple]] = {}
+    kept: dict[tuple[str, int, int], list[StepRow]] = {}
     for step in steps:
-        if step[10] != "warm-up" and not step[12]:
-            kept.setdefault((step[10], step[1], step[3]), []).append(step)
+        if step.mode != "warm-up" and not step.took_in_context:
+            kept.setdefault((step.mode, step.batch, step.verify_width), []).append(step)
     for (mode, batch, width), chosen in sorted(kept.items()):
         if len(chosen) < least:
             continue
-        medians = [statistics.median(s[i] for s in chosen) * 1e3 for i in (5, 6, 7)]
-        other = statistics.median(s[5] - s[6] - s[7] for s in chosen) * 1e3
+        medians = [statistics.median(getattr(s, field) for s in chosen) * 1e3
+                   for field in ("seconds", "verify_s", "draft_s")]
+        other = statistics.median(s.seconds - s.verify_s - s.draft_s for s in chosen) * 1e3
         print(f"{mode}, steady steps at batch {batch}, verify width {width}: {len(chosen)}, median {medians[0]:.3f} ms "
               f"(verify {medians[1]:.3f}, draft {medians[2]:.3f}, the rest {other:.3f})")
     sys.stdout.flush()

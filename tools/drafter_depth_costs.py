@@ -4,8 +4,8 @@ A drafter's cost does not depend on its weights, so the 1- and 2-layer drafters 
 the shipped drafter's configuration with fewer layers (same width 512, taps 1, 3, 4, B = 16); the 3-layer one
 is the shipped drafter. One session per depth over the same embedded target; the sessions run the same
 prompts interleaved (plain decoding and block length 16, request by request), and each session's cost model
-(``Session.costs``: the mean of every forward of each kind after a warm-up round) gives the plain step and the cycle. τ per
-cycle comes from ``docs/drafters.md`` (held-out TinyStories, 1,500 training steps; 6,000 for the shipped one),
+(``Session.costs``: the mean of every forward of each kind after a warm-up round) gives the plain step and the cycle.
+τ per cycle comes from ``docs/drafters.md`` (held-out TinyStories, 1,500 training steps; 6,000 for the shipped one),
 since an untrained drafter accepts nothing.
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/drafter_depth_costs.py [--concurrency 1] [--rounds 6]

@@ -79,7 +79,8 @@ def export_stories260k(mode: str, calibration: torch.Tensor) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ours, _ = load_target(embedded_target_path())
-    config = LlamaConfig(**{k: v for k, v in target_config_json(ours.config).items() if k not in ("dtype", "rope_scaling")})
+    config = LlamaConfig(**{k: v for k, v in target_config_json(ours.config).items()
+                            if k not in ("dtype", "rope_scaling")})
     model = LlamaForCausalLM(config).eval()
     missing, unexpected = model.load_state_dict({("" if k.startswith("lm_head") else "model.") + k: v
                                                  for k, v in ours.state_dict().items()}, strict=False)

@@ -2,8 +2,8 @@
 
 Fills cache slots to each context, then times single-token target forwards (a plain decode step) at each
 context, interleaved round by round so drift hits every context alike, and prints the median per context and
-its ratio to the shortest (the engine must be built with ``--max-batch-size`` >= batch x contexts). Wall time of the forward only (``Backend.target_batch``),
-on the backend ``Session.load`` picks (or ``--backend``)::
+its ratio to the shortest (the engine must be built with ``--max-batch-size`` >= batch x contexts). Wall time of
+the forward only (``Backend.target_batch``), on the backend ``Session.load`` picks (or ``--backend``)::
 
     python tools/step_cost_by_context.py --engine engines/stories260K --contexts 32,448 --batch 1,16
 """

@@ -14,20 +14,19 @@ trace = load_tool("auto_trace")
 
 def step(ended: float, number: int, mode: str = "dflash_auto", batch: int = 4, draft_rows: int = 0, keeps: int = 0,
          seconds: float = 0.002, reason: str = "plain", predicted: tuple[float, float] | None = None,
-         took_in_context: bool = False) -> tuple:
-    """A ``--steps`` row: (drafter, batch, draft rows, verify width, keeps a drafter, seconds, verify, draft, ended,
-    pass, mode, tokens committed, took in context, the planner's reason, predicted tokens, predicted ms, deciding). A
-    drafting row drafts 3 and accepts 2; deciding took a tenth of the step."""
-    return (mode == "dflash_auto", batch, draft_rows, 1 + 3 * bool(draft_rows), keeps, seconds, seconds / 2, 0.0,
-            ended, number, mode, batch + 2 * draft_rows, took_in_context, reason, *(predicted or (None, None)),
-            seconds / 10)
+         took_in_context: bool = False) -> trace.StepRow:
+    """A ``--steps`` row of pass ``number``. A drafting row drafts 3 and accepts 2; deciding took a tenth of the
+    step."""
+    return trace.StepRow(mode == "dflash_auto", batch, draft_rows, 1 + 3 * bool(draft_rows), keeps, seconds,
+                         seconds / 2, 0.0, ended, number, mode, batch + 2 * draft_rows, took_in_context, reason,
+                         *(predicted or (None, None)), seconds / 10)
 
 
 def test_steps_are_grouped_by_the_pass_they_ran_in():
     steps = ([step(0.002 * i, 1, "ar_auto") for i in range(1, 4)] + [step(0.01 + 0.002 * i, 2) for i in range(3)]
              + [step(0.02 + 0.002 * i, 3) for i in range(2)])  # passes 2 and 3 back to back, one mode
     assert [len(run) for run in trace.passes(steps)] == [3, 3, 2]
-    assert [run[0][10] for run in trace.passes(steps)] == ["ar_auto", "dflash_auto", "dflash_auto"]
+    assert [run[0].mode for run in trace.passes(steps)] == ["ar_auto", "dflash_auto", "dflash_auto"]
 
 
 def test_each_pass_says_where_its_time_went(capsys):
@@ -35,8 +34,9 @@ def test_each_pass_says_where_its_time_went(capsys):
              step(0.010, 1, batch=2, seconds=0.002),  # 3 ms between the last two: outside the steps
              step(0.020, 2)]  # a pass of one step (a warm-up request): left out
     trace.summarise_passes(steps)
-    assert capsys.readouterr().out == ("dflash_auto pass: 3 steps, 10 ms; at batch 4 2 (5 ms), smaller 1 (2 ms), "
-                                       "drafting 1 (3 ms), plain with a drafter kept 1 (2 ms); outside the steps 3 ms\n")
+    assert capsys.readouterr().out == (
+        "dflash_auto pass: 3 steps, 10 ms; at batch 4 2 (5 ms), smaller 1 (2 ms), drafting 1 (3 ms), plain with a "
+        "drafter kept 1 (2 ms); outside the steps 3 ms\n")
 
 
 def test_adaptive_steps_are_set_against_the_plain_passes_rate_by_reason_and_batch(capsys):

@@ -57,10 +57,11 @@ def test_run_json_and_kv_line_parsed():
 
 
 def _entry(step, **extra_fields):
-    base = {"step": step, "argv": ["dflash-trt", step], "wall_s": 12.5, "exit_code": 0, "signal": None, "peak_rss_kb": 1_500_000,
-                "cap_gb": 18.0, "cap_kind": "cgroup", "cgroup_peak_bytes": None, "killed_at_cap": False, "timed_out": False,
-                "output_tail": "", "extra": {}, "target_weight_bytes": 1_000_000_000, "draft_weight_bytes": 200_000_000,
-                "shape": "qwen3-x", "date": "2026-01-01 00:00 UTC", "commit": "abc1234", "command": f"dflash-trt {step}"}
+    base = {"step": step, "argv": ["dflash-trt", step], "wall_s": 12.5, "exit_code": 0, "signal": None,
+            "peak_rss_kb": 1_500_000, "cap_gb": 18.0, "cap_kind": "cgroup", "cgroup_peak_bytes": None,
+            "killed_at_cap": False, "timed_out": False, "output_tail": "", "extra": {},
+            "target_weight_bytes": 1_000_000_000, "draft_weight_bytes": 200_000_000, "shape": "qwen3-x",
+            "date": "2026-01-01 00:00 UTC", "commit": "abc1234", "command": f"dflash-trt {step}"}
     return base | extra_fields
 
 

@@ -30,14 +30,16 @@ def test_the_mixed_cell_prints_each_policy_over_plain_decoding_per_seed(capsys):
     assert simulate_policy.main(["mixed", "--regime", "h200-1k", "--concurrency", "4", "--seeds", "0"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("h200-1k, c=4, ") and "every 4th request 6x as long" in out[0]
-    assert out[1].startswith("seed 0: static:1 ") and " auto " in out[1] and out[1].endswith("of the best fixed choice)")
+    assert out[1].startswith("seed 0: static:1 ") and " auto " in out[1]
+    assert out[1].endswith("of the best fixed choice)")
 
 
 def test_the_switch_cell_prints_each_policy_over_plain_decoding_per_seed(capsys):
     assert simulate_policy.main(["switch", "--regime", "h200-1k", "--concurrency", "4", "--seeds", "0"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("h200-1k, c=4, 8 requests of untrained, then 24 of stories_t0: tokens/s over plain decoding")
-    assert out[1].startswith("seed 0: static:1 ") and " auto " in out[1] and out[1].endswith("of the best fixed choice)")
+    assert out[1].startswith("seed 0: static:1 ") and " auto " in out[1]
+    assert out[1].endswith("of the best fixed choice)")
 
 
 def test_the_bench_cell_serves_its_requests_each_cut_at_the_bench_commands_length(capsys):
