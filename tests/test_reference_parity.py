@@ -242,7 +242,8 @@ def test_plain_decoding_equals_the_reference_block_size_one_baseline(name, zoo, 
 
 DFLASH2 = DraftSpec(seed=40, architecture="dflash2", distill_steps=60, selector_scale=0.5)  # kernel 2, top-4
 DFLASH2_WIDE = replace(DFLASH2, seed=41, conv_kernel_size=3, conv_group_size=8, selector_rank=16, selector_top_k=8)
-SLIDING_LAYERS = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5, "use_sliding_window": True}
+SLIDING_LAYERS = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5,
+                  "use_sliding_window": True}
 DFLASH2_SLIDING = replace(DFLASH2, config_overrides=json.dumps(SLIDING_LAYERS))  # the same weights, windowed
 DFLASH2_RANDOM = DraftSpec(seed=43, architecture="dflash2", conv_kernel_size=3, selector_top_k=6)
 

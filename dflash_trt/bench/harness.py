@@ -168,7 +168,8 @@ def run_benchmark(session: Session, config: BenchConfig, peers: dict[str, Callab
         skipped = len(prompt_set.prompts) - len(fitting)
         prompts = [p for p, _ in fitting[:config.num_prompts]]
         requests = [(ids, SamplingParams(max_new_tokens=config.max_new_tokens, temperature=temperature,
-                                         seed=config.seed + i)) for i, (_, ids) in enumerate(fitting[:config.num_prompts])]
+                                         seed=config.seed + i))
+                    for i, (_, ids) in enumerate(fitting[:config.num_prompts])]
         runners: dict[str, Runner] = {AR: SessionRunner(session, AR, 1), DFLASH: SessionRunner(session, DFLASH,
                                                                                                    block_len)}
         if adaptive is not None:

@@ -193,7 +193,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if costed:
         lines += ["", "## Where the time goes (DFlash, static block length)", "",
                   "Forward costs the runtime measured during the cell (`Session.costs`: the mean of every forward "
-                  "of each kind at the cell's concurrency, so that stalls count as in the measured throughput): a plain step is a 1-token verify plus its other work "
+                  "of each kind at the cell's concurrency, so that stalls count as in the measured throughput): "
+                  "a plain step is a 1-token verify plus its other work "
                   "(sampling, bookkeeping); a cycle is a draft and a verify of k+1 tokens plus its other work. "
                   "Ideal speed-up = τ × plain step ÷ cycle, what these costs allow; the measured one also pays "
                   "prefill, the batch draining at the end of each pass, and scheduling.", "",
@@ -215,9 +216,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         if not acc:
             continue
         per_pos = ", ".join(f"{v:.2f}" for v in acc["per_position_acceptance"][:8])
-        lines.append(f"{_cell_columns(cell)} {acc['mean_acceptance_length']:.2f} | {acc['draft_acceptance_rate']:.1%} | {per_pos} | "
+        lines.append(f"{_cell_columns(cell)} {acc['mean_acceptance_length']:.2f} | "
+                     f"{acc['draft_acceptance_rate']:.1%} | {per_pos} | "
                      f"{acc['acceptance_histogram']} |")
-    lines += ["", "## By category", "", "| group · concurrency · T · B | requests | speed-up | τ |", "|---|---|---|---|"]
+    lines += ["", "## By category", "", "| group · concurrency · T · B | requests | speed-up | τ |",
+              "|---|---|---|---|"]
     for key, group in report["categories"].items():
         lines.append(f"| {key.replace('|', ' · ')} | {group['requests']} | {group['speedup_e2e']:.2f}x | "
                      f"{group['mean_acceptance_length']:.2f} |")

@@ -378,8 +378,8 @@ class SelectorDraftGraph(DraftGraph):
 
 
 class _InPlaceDraftKeys:
-    """The drafter's key source in ``draft_step.onnx`` (ONNX Runtime, a draft call of one row): each layer's attention is
-    one ``com.microsoft.GroupQueryAttention`` node over the rows ``[new context ; block]``. The node writes their K/V
+    """The drafter's key source in ``draft_step.onnx`` (ONNX Runtime, a draft call of one row): each layer's attention
+    is one ``com.microsoft.GroupQueryAttention`` node over the rows ``[new context ; block]``. The node writes their K/V
     into the layer's cache buffer after the committed rows, in place as in the target graph, and attends over the
     buffer, bidirectional or causal as the layer is. The context rows' queries are zeros and their outputs are
     dropped (only their K/V matter); the runtime commits the cache up to the anchor, so the block rows written after
@@ -536,8 +536,8 @@ def _bind_weights(graph, weights: Mapping[str, StoredTensor], folder: Path) -> N
     A bfloat16/float16 weight reaches the float32 kernels (ONNX Runtime's CPU EP has no bf16 MatMul) through one
     ``Cast`` that ONNX Runtime folds when it opens the session; an embedding read by ``Gather`` is gathered in its
     stored dtype and the rows are cast (the table is never converted); a linear (``Transpose`` + ``MatMul``) whose
-    float32 weight exceeds :data:`FOLD_LIMIT_BYTES` is computed in row blocks of the same stored bytes, each block's cast and
-    transpose small enough to fold, the block outputs concatenated."""
+    float32 weight exceeds :data:`FOLD_LIMIT_BYTES` is computed in row blocks of the same stored bytes, each block's
+    cast and transpose small enough to fold, the block outputs concatenated."""
     import onnx_ir as ir
 
     fold_limit = FOLD_LIMIT_BYTES
@@ -549,7 +549,8 @@ def _bind_weights(graph, weights: Mapping[str, StoredTensor], folder: Path) -> N
             continue
         stored = weights[name]
         if tuple(value.shape) != stored.shape:
-            raise ValueError(f"initializer {name!r} has shape {tuple(value.shape)}; its stored tensor has {stored.shape}")
+            raise ValueError(f"initializer {name!r} has shape {tuple(value.shape)}; "
+                             f"its stored tensor has {stored.shape}")
         uses = list(value.uses())
         graph.initializers.pop(name)
         held = _external(stored, name, folder)
@@ -762,7 +763,8 @@ def export_step_target(model: TargetModel, tap_ids: tuple[int, ...], path: Path,
     inputs, outputs = step_graph_io(cfg.num_layers, bool(tap_ids))
     cache_len = Dim("cache_len", min=1, max=limits.max_seq_len)
     dynamic = {"tokens": {0: batch, 1: tokens}, "positions": {0: batch, 1: tokens}, "seqlens_k": {0: batch},
-               "total_length": {}, "query_seqlens": {0: batch}, "caches": tuple({0: batch, 2: cache_len} for _ in caches)}
+               "total_length": {}, "query_seqlens": {0: batch},
+               "caches": tuple({0: batch, 2: cache_len} for _ in caches)}
     return _export(StepGraph(model, tuple(tap_ids)), args, inputs, outputs, dynamic, path, {}, OPSET_ONNXRUNTIME,
                    weights)
 

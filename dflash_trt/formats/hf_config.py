@@ -1,8 +1,8 @@
 """Hugging Face ``config.json`` -> ``TargetConfig`` for Llama and Qwen3, and the shared RoPE parser.
 
 ``rope_scaling_json`` and ``target_config_json`` are the inverses (what the builder writes for
-transformers, TensorRT-LLM, vLLM and SGLang). Accepts both RoPE layouts: flat ``rope_theta`` (+ ``rope_scaling``) and transformers-5
-``rope_parameters: {rope_theta, rope_type, ...}`` (docs/algorithm.md §5.3).
+transformers, TensorRT-LLM, vLLM and SGLang). Accepts both RoPE layouts: flat ``rope_theta`` (+ ``rope_scaling``)
+and transformers-5 ``rope_parameters: {rope_theta, rope_type, ...}`` (docs/algorithm.md §5.3).
 """
 
 from __future__ import annotations

@@ -59,9 +59,9 @@ EnginePath = Annotated[str, AfterValidator(_inside_folder)]
 """A path relative to the engine folder that cannot leave it (symbolic links are checked by ``artefact_file``)."""
 
 ArtefactRole = Literal["target_weights", "draft_weights", "tokenizer", "target_graph", "draft_graph",
-                       "draft_graph_step", "draft_graph_plugin", "graph_weights", "target_plan", "draft_plan", "plugin_library",
-                       "plugin_source", "trtllm_config", "trtllm_target", "trtllm_draft", "quant_config",
-                       "quant_target"]
+                       "draft_graph_step", "draft_graph_plugin", "graph_weights", "target_plan", "draft_plan",
+                       "plugin_library", "plugin_source", "trtllm_config", "trtllm_target", "trtllm_draft",
+                       "quant_config", "quant_target"]
 
 
 class SourceRecord(BaseModel):

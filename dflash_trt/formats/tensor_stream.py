@@ -67,7 +67,8 @@ class SafetensorsWriter:
         offset = 0
         for name, dtype, shape in self._plan:
             if dtype not in _CODES:
-                raise ValueError(f"{path}: tensor `{name}` has dtype {dtype}; safetensors stores {sorted(_CODES, key=str)}")
+                raise ValueError(f"{path}: tensor `{name}` has dtype {dtype}; "
+                                 f"safetensors stores {sorted(_CODES, key=str)}")
             size = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size

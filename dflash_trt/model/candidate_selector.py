@@ -99,7 +99,8 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
     def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """The ``k`` best tokens of every slot, best first. Shapes: logits ``[B, K, V]`` -> (values, ids) ``[B, K, k]``."""
+        """The ``k`` best tokens of every slot, best first. Shapes: logits ``[B, K, V]`` -> (values, ids)
+        ``[B, K, k]``."""
         return torch.topk(logits, self.top_k, dim=-1)
 
     def walk(self, hidden: Tensor, logits: Tensor, anchors: Tensor, choose: Chooser = greedy_choice) -> SelectorWalk:

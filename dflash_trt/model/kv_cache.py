@@ -228,7 +228,8 @@ class StaticKVCache:
     def check_rows(self, slots: tuple[int, ...], starts: tuple[int, ...], ends: tuple[int, ...]) -> None:
         """Internal invariant of a batched write: each slot's write starts within its committed rows."""
         for slot, begin, end in zip(slots, starts, ends):
-            assert begin <= self.lengths[slot], f"cache gap: slot {slot} write at {begin}, committed {self.lengths[slot]}"
+            assert begin <= self.lengths[slot], (f"cache gap: slot {slot} write at {begin}, "
+                                                 f"committed {self.lengths[slot]}")
             assert end <= self.max_len, f"cache overflow: slot {slot} {end} > {self.max_len}"
 
     def commit_rows(self, slots: tuple[int, ...], ends: tuple[int, ...]) -> None:

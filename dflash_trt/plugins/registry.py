@@ -75,7 +75,8 @@ def check_engine_batch(engine, max_batch: int) -> None:
     if max_batch > built:
         raise ConfigError(f"max_batch is {max_batch}; the engine {engine.folder} was built for at most {built} "
                           f"requests per forward (manifest build.max_batch_size). Fix: pass max_batch <= {built} "
-                          f"(--max-batch {built}), or rebuild with `dflash-trt build ... --max-batch-size {max_batch}`.")
+                          f"(--max-batch {built}), or rebuild with "
+                          f"`dflash-trt build ... --max-batch-size {max_batch}`.")
 
 
 def _onnxruntime_blocker(manifest) -> str | None:

@@ -108,7 +108,8 @@ def _run_identity(config: TrainConfig, target_sha256: str, data_hash: str, steps
     folder, threads, cache, the world size, FSDP or the per-rank micro-batch: a run may resume on any
     number of ranks as long as the global batch is the same."""
     excluded = {"out", "threads", "checkpoint_every", "cache_dir", "batch_size", "global_batch", "fsdp", "bf16"}
-    if config.arch == "dflash":  # a DFlash run's identity is what it was before DFlash2 existed (old checkpoints resume)
+    # a DFlash run's identity is what it was before DFlash2 existed (old checkpoints resume)
+    if config.arch == "dflash":
         excluded |= {"arch", *DFLASH2_SETTINGS}
     fields = config.model_dump(mode="json", exclude=excluded)
     return {"config": fields, "target_sha256": target_sha256, "data_hash": data_hash, "steps": steps,

@@ -66,7 +66,8 @@ def test_embedded_pair_bench_is_lossless_and_reports_the_per_pass_spread(tmp_pat
         assert summary["identical_to_ar"] == {AR_AUTO: True, DFLASH: True, DFLASH_AUTO: True}
         assert summary["speedup_auto_passes"]["passes"] == 2
         modes = summary["modes"]  # dflash_auto is compared with plain decoding in its own session
-        assert summary["speedup_auto"] == modes[DFLASH_AUTO]["output_tokens_per_s"] / modes[AR_AUTO]["output_tokens_per_s"]
+        assert summary["speedup_auto"] == (modes[DFLASH_AUTO]["output_tokens_per_s"]
+                                           / modes[AR_AUTO]["output_tokens_per_s"])
         spread = summary["speedup_throughput_passes"]
         assert spread["min"] <= spread["median"] <= spread["max"]
         costs = summary["forward_costs"]  # where the time goes: this cell's forwards, at its concurrency

@@ -78,7 +78,8 @@ def test_both_codebook_spellings_at_once_are_refused(dflash2_dir, tmp_path):
 
 
 @pytest.mark.parametrize("edit, names", [
-    (lambda s: s.update({"candidate_selector.extra_bias": torch.zeros(8)}), "unknown ['candidate_selector.extra_bias']"),
+    (lambda s: s.update({"candidate_selector.extra_bias": torch.zeros(8)}),
+     "unknown ['candidate_selector.extra_bias']"),
     (lambda s: s.pop("layers.1.mlp_conv.base_kernel"), "missing ['layers.1.mlp_conv.base_kernel']"),
 ])
 def test_unmapped_or_missing_tensors_are_refused_by_name(dflash2_dir, tmp_path, edit, names):

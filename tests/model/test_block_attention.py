@@ -10,7 +10,8 @@ from dflash_trt.model.block_attention import block_mask, block_visibility, visib
 
 
 def _sees(query: int, key: int, causal: bool, window: int) -> bool:
-    """docs/algorithm.md §2.5 spelled out: causal -> key <= query; a window -> query - key < w, two-sided unless causal."""
+    """docs/algorithm.md §2.5 spelled out: causal -> key <= query; a window -> query - key < w, two-sided unless
+    causal."""
     if causal and key > query:
         return False
     if window and query - key >= window:

@@ -53,7 +53,8 @@ def test_inputs_follow_the_trtllm_ensemble_names_and_required_ones_are_not_optio
     assert [t.name for t in io.INPUTS if not t.optional] == ["text_input", "max_tokens"]
     assert names["text_input"].data_type == "TYPE_STRING" and names["stop_words"].dims == (-1,)
     outputs = {t.name for t in io.OUTPUTS}
-    assert {"text_output", "acceptance_length", "num_draft_tokens", "num_accepted_draft_tokens", "output_ids"} <= outputs
+    assert {"text_output", "acceptance_length", "num_draft_tokens", "num_accepted_draft_tokens",
+            "output_ids"} <= outputs
 
 
 def test_engine_export_records_the_engine_folder_and_backend(tmp_path, stories_engine):
@@ -121,7 +122,8 @@ def test_renamed_folder_and_missing_output_are_caught(tmp_path, stories_pair):
     with pytest.raises(ServingError, match="folder name"):
         check_model_config(moved / "config.pbtxt")
     text = (moved / "config.pbtxt").read_text().replace('name: "m"', 'name: "other"')
-    (moved / "config.pbtxt").write_text(text.replace('  { name: "num_drafts" data_type: TYPE_INT32 dims: [ 1 ] },\n', ""))
+    (moved / "config.pbtxt").write_text(
+        text.replace('  { name: "num_drafts" data_type: TYPE_INT32 dims: [ 1 ] },\n', ""))
     with pytest.raises(ServingError, match="num_drafts"):
         check_model_config(moved / "config.pbtxt")
 

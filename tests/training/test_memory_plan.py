@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from click.testing import CliRunner
 from tiny_models import TargetSpec
@@ -22,10 +21,10 @@ from dflash_trt.training.draft_config import draft_config_for
 from dflash_trt.training.memory_plan import plan_training_memory
 from dflash_trt.training.trainer import DistillSettings, Distiller, new_draft_head
 
-H, I, HEADS, KV, D, V, LAYERS = 64, 128, 4, 2, 16, 256, 6
+H, FFN, HEADS, KV, D, V, LAYERS = 64, 128, 4, 2, 16, 256, 6
 ATTENTION = H * HEADS * D + 2 * H * KV * D + HEADS * D * H + 2 * D  # q, k, v, o projections; q/k norms
-TARGET_PARAMS = 2 * V * H + LAYERS * (ATTENTION + 2 * H + 3 * H * I) + H  # embed, head, layers, final norm
-DRAFT_PARAMS = 1 * H * H + H + (ATTENTION + 2 * H + 3 * H * I) + H  # fc (1 tap), hidden_norm, 1 layer, norm
+TARGET_PARAMS = 2 * V * H + LAYERS * (ATTENTION + 2 * H + 3 * H * FFN) + H  # embed, head, layers, final norm
+DRAFT_PARAMS = 1 * H * H + H + (ATTENTION + 2 * H + 3 * H * FFN) + H  # fc (1 tap), hidden_norm, 1 layer, norm
 
 
 def plan_of(zoo, tmp_path, world_size=1, **fields):
@@ -45,7 +44,7 @@ def test_the_plan_equals_a_count_by_hand_on_a_small_shape(zoo, tmp_path):
     assert plan["target forward: logits"] == b * 1 * V * 4  # data labels, no KL: the last position only
     assert plan["drafter: logits, log-softmax, grad"] == 3 * (b * J) * (B - 1) * V * 4
     rows = b * J
-    layer = 2 * rows * (T + B) * KV * D * 4 + 2 * rows * HEADS * B * (T + B) * 4 + rows * B * (4 * H + 3 * I) * 4
+    layer = 2 * rows * (T + B) * KV * D * 4 + 2 * rows * HEADS * B * (T + B) * 4 + rows * B * (4 * H + 3 * FFN) * 4
     assert plan["drafter: layer activations"] == layer + b * T * H * 4
 
 

@@ -250,7 +250,8 @@ class _InPlaceTarget(_InPlaceGraph):
             inputs = {"tokens": np.zeros((count, width), np.int64), "positions": np.zeros((count, width), np.int64),
                       "seqlens_k": np.zeros(count, np.int32), "total_length": np.zeros((), np.int32),
                       "query_seqlens": np.zeros(count, np.int32)}
-            return inputs, {name: np.zeros((count, width, size), np.float32) for name, size in self.output_widths.items()}
+            return inputs, {name: np.zeros((count, width, size), np.float32)
+                            for name, size in self.output_widths.items()}
 
         return self._binding(first, count, (width,), buffers)
 

@@ -91,7 +91,8 @@ def cmake_build(csrc: Path, include: Path, work: Path, toolkit: CudaToolkit) -> 
         return None
     build_plugin.run_step(["cmake", "-S", str(csrc), "-B", str(work), f"-DTENSORRT_INCLUDE_DIR={include}",
                            f"-DCMAKE_CUDA_COMPILER={toolkit.nvcc}",
-                           f"-DCMAKE_CUDA_ARCHITECTURES={CHECK_ARCHITECTURES[0]}", "-DDFLASH_HOST_CHECK=ON"], "configuring csrc/CMakeLists.txt")
+                           f"-DCMAKE_CUDA_ARCHITECTURES={CHECK_ARCHITECTURES[0]}", "-DDFLASH_HOST_CHECK=ON"],
+                          "configuring csrc/CMakeLists.txt")
     build_plugin.run_step(["cmake", "--build", str(work), "-j", "2"], "building with csrc/CMakeLists.txt")
     return work / build_plugin.LIBRARY_NAME, work / "dflash_plugin_host_check"
 

@@ -8,10 +8,10 @@ forward's kernels with one launch, which is what a decode step on a GPU is bound
 The first call of a bucket copies its per-call inputs into the bucket's own static buffers, runs the forward once
 on a side stream (the warm-up libraries need before a capture; the K/V it writes are this call's, which the replay
 writes again), captures the same forward (a capture records kernels without running them) and replays it. Every
-call, the first included, takes its result from a replay: it copies its inputs into the static buffers first. Outputs live in the graphs' shared memory pool and are
-overwritten by the bucket's next replay: a step reads the logits before it calls that bucket again, and the taps,
-which the runtime keeps as draft context across steps, are copied. A bucket whose capture fails turns graphs off
-with a warning, and the eager forwards carry on (as a failed compile does).
+call, the first included, takes its result from a replay: it copies its inputs into the static buffers first. Outputs
+live in the graphs' shared memory pool and are overwritten by the bucket's next replay: a step reads the logits before
+it calls that bucket again, and the taps, which the runtime keeps as draft context across steps, are copied. A bucket
+whose capture fails turns graphs off with a warning, and the eager forwards carry on (as a failed compile does).
 
 Selected with ``DFLASH_TORCH_COMPILE=cudagraph`` on a CUDA device (docs/gpu.md); it has not run on a GPU here.
 """

@@ -50,7 +50,8 @@ def _single_node_session():
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", None, None, None]) for n in names]
     node = helper.make_node("DFlashBlockAttention", names, ["out"], domain=ONNX_DOMAIN, scale=0.0, window=3,
                             causal=1, plugin_version="1", plugin_namespace="dflash")
-    graph = helper.make_graph([node], "op", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["B", None, None])])
+    graph = helper.make_graph([node], "op", inputs,
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["B", None, None])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(ONNX_DOMAIN, 1)])
     onnx.checker.check_model(model, full_check=True)
     options = ort.SessionOptions()
