@@ -66,13 +66,15 @@ session's recent cycles, ``session_prior``) and the measured costs (``runtime/co
    (``REALISED_MIN_STEPS``), the batch drafts the best predicted length. At c=1 the prior spans a few stories and the
    costs a few cold steps, and predictions swung between a loss and a 2x win from one request to the next while
    static drafting won 1.5x. A close call (a measured length predicted within ``MARGIN`` of plain decoding, either
-   way) is settled the same way, over the last ``CLOSE_STEPS`` steps of each kind: if its drafting steps realised at
-   least plain decoding's rate, the batch drafts again the length it drafted last (the one that realised it; the
-   close length itself, a shorter one, kept it there, since short drafts never measure the longer positions); if
-   less, its live requests retire. Left to the estimate, the batch decoded plainly with its drafters kept and no new
-   cycle came, and its estimate narrowed onto the cycles that had stopped it, until every request retired for good
-   while static drafting won 1.12x (docs/adaptive-notebook.md, "A close call settled by what happened, drafting the
-   length drafted last").
+   way) is settled the same way, over the last ``REALISED_MIN_STEPS`` steps of each kind (``CLOSE_STEPS`` at least):
+   if its drafting steps realised at least plain decoding's rate, the batch drafts again the length it drafted last
+   (the one that realised it; the close length itself, a shorter one, kept it there, since short drafts never measure
+   the longer positions); if less, its live requests retire. Left to the estimate, the batch decoded plainly with its
+   drafters kept and no new cycle came, and its estimate narrowed onto the cycles that had stopped it, until every
+   request retired for good while static drafting won 1.12x (docs/adaptive-notebook.md, "A close call settled by what
+   happened, drafting the length drafted last"); settled over the last 32 steps of each kind alone, a noisy stretch of
+   them retired for good a batch whose drafting had won 1.1x ("A close call settled over the steps since drafting
+   began").
 """
 
 from __future__ import annotations
@@ -161,9 +163,13 @@ CLEAR_WIN = 1.2
 whatever the prediction says (see :meth:`AutoPlanner.realised_gain`)."""
 
 CLOSE_STEPS = 32
-"""Steps of each kind (drafting, plain) at a batch size that settle a close call (see ``realised_gain``): fewer than
-``REALISED_MIN_STEPS``, since a close call is met right after the batch drafted, with few plain steps at its size; no
-wider, since the call is about the traffic now. Until there are this many of each, the estimate decides alone."""
+"""Steps of each kind (drafting, plain) at a batch size a close call needs before what happened settles it (see
+``realised_gain``): fewer than ``REALISED_MIN_STEPS``, since a close call is met right after the batch drafted, with few
+plain steps at its size. Until there are this many of each, the estimate decides alone. Once there are, the call is
+settled over up to ``REALISED_MIN_STEPS`` of each: over the last 32 drafting steps alone, new requests taking in their
+prompts and noise read 0.94x plain decoding for a batch of 4 whose drafting had realised 1.1x, and it retired for good
+while static k=7 won 1.11x (the simulated CPU at c=4 on stories, seed 0: 0.92 of static k=7; 0.96 over the longer span;
+docs/adaptive-notebook.md, "A close call settled over the steps since drafting began")."""
 
 PRIOR_CYCLES = 256
 """Cycles the session prior spans at most ..."""
@@ -471,10 +477,11 @@ class AutoPlanner:
         return unaffordable
 
     def _close_call(self, batch: int) -> str | None:
-        """How what happened settles a close call at this batch size: "draft" where the last ``CLOSE_STEPS`` drafting
-        steps realised at least the last ``CLOSE_STEPS`` plain steps' rate (``realised_gain``), "retire" where less;
-        None until there are that many of each (the estimate's call stands: plain decoding, drafters kept)."""
-        gain = self.realised_gain(batch, CLOSE_STEPS, least=CLOSE_STEPS)
+        """How what happened settles a close call at this batch size: "draft" where its last ``REALISED_MIN_STEPS``
+        drafting steps realised at least its last ``REALISED_MIN_STEPS`` plain steps' rate (``realised_gain``; fewer
+        where there are fewer), "retire" where less; None until there are ``CLOSE_STEPS`` of each (the estimate's call
+        stands: plain decoding, drafters kept)."""
+        gain = self.realised_gain(batch, REALISED_MIN_STEPS, least=CLOSE_STEPS)
         return None if gain is None else "draft" if gain >= 1.0 else "retire"
 
     @staticmethod

@@ -123,13 +123,6 @@ TORCH_K7_OR_K15 = ("on torch a k=15 cycle costs 1.06x a k=7 one at c=1, so stati
                    "add 6% to a cycle (1.82x plain); a greedy lone request is predicted by its own recent cycles, "
                    "which on short stretches prefer k=7, and auto drafts k=7 in 554 cycles and k=15 in 310: 1.73x "
                    "plain, 0.949 of static k=15 (docs/adaptive-notebook.md, \"A simulated torch backend\")")
-CPU_C4_RETIRED = ("each new request's first draft is a draft call of its own (as every backend drafts a prompt's "
-                  "intake), so drafting realises less than its steady-state prediction; once the estimate put k=7 "
-                  "within the 5% margin of plain decoding, the close call was settled by what happened (the last "
-                  "32 drafting steps, intake calls included, realised less than the last 32 plain steps), the batch "
-                  "of 4 retired for good, and a probe of one new request cannot pay at batch 4 on this CPU: 1.02x and "
-                  "1.06x plain at seeds 0 and 2, 0.92 and 0.93 of static k=7 (docs/adaptive-notebook.md, \"The "
-                  "simulator drafts as the backends do\")")
 UNTRAINED_32K_EXPLORING = ("plain decoding is the best fixed choice here (static k=3 0.84x), and auto runs 0.95x, just "
                            "under the bar: an untrained drafter's cold probes and trials of k=1 at 32k-token prompts "
                            "take in those prompts, each probe's intake in a draft call of its own since the simulator "
@@ -140,13 +133,11 @@ COLD_32K_ROUNDING = ("within a rounding of the bar: static k=15 3.12x plain, aut
                      "it): a cold session's probes and trials at 32k-token prompts take in those prompts before the "
                      "batch exploits k=15 (docs/adaptive-notebook.md, \"The simulator drafts as the backends do\")")
 TABLE_MISSES: dict[tuple[str, int, str, int], str] = {  # (regime, concurrency, workload, seed) -> why auto misses
-    ("cpu", 4, "stories_t0", 0): CPU_C4_RETIRED,
     ("h200-32k", 16, "stories_t0", 1): COLD_PROBE_INTAKE,
     ("cpu", 4, "stories_t0", 1): CLOSE_CALL,
     ("cpu-torch", 4, "stories_t0", 1): TORCH_HARD_START,
     ("h200-32k", 64, "stories_t0", 1): COLD_32K_ROUNDING,
     ("h200-32k", 64, "untrained", 1): UNTRAINED_32K_EXPLORING,
-    ("cpu", 4, "stories_t0", 2): CPU_C4_RETIRED,
     ("cpu-torch", 1, "stories_t0", 2): TORCH_K7_OR_K15,
 }
 

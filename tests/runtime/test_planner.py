@@ -292,6 +292,41 @@ def test_what_drafting_realised_lately_settles_a_close_call(accepted, steps, ver
         assert (plan.reason, plan.lengths, probed.retired) == ("plain", [0], verdict == "retire")
 
 
+@pytest.mark.parametrize("winning", [REALISED_MIN_STEPS - CLOSE_STEPS, 0])
+def test_a_close_call_weighs_every_recent_drafting_step_not_the_last_few(winning):
+    """A close call is settled over the batch size's last ``REALISED_MIN_STEPS`` steps of each kind where it has them
+    (``CLOSE_STEPS`` at least). Over its last 32 drafting steps alone, a batch of 4 whose drafting had realised 1.1x
+    plain decoding read 0.94x (new requests taking in their prompts, noise), retired for good, and decoded plainly for
+    the rest of the run while static k=7 won 1.11x (the simulated CPU at c=4 on stories, seed 0: 0.92 of static k=7;
+    docs/adaptive-notebook.md, "A close call settled over the steps since drafting began"). Here 224 drafting steps
+    accepting 4 drafts a cycle and then 32 accepting 1 still realise a win, and the batch drafts; the 32 alone lose,
+    and its requests retire."""
+    costs = measured(MIDDLE)
+    prior = prior_with([(15, 12)] * 100)
+    planner = AutoPlanner(costs, prior)
+    plain_s, cycle_s = costs.step(1, 0, 0), costs.step(1, 1, 15)
+    drafting = request()
+    for step in range(winning + CLOSE_STEPS):  # drafting as the prior predicts; its last 32 cycles accept 1 draft
+        assert planner.plan([drafting]).lengths == [15]
+        planner.observed(drafting, 15, 4 if step < winning else 1)
+        planner.step_took(cycle_s)
+    plain = request(0)
+    for _ in range(CLOSE_STEPS):  # requests that do not draft
+        assert planner.plan([plain]).lengths == [0]
+        planner.step_took(plain_s)
+    assert planner.realised_gain(1, CLOSE_STEPS, least=CLOSE_STEPS) < 1  # the last 32 alone lose
+    for step in range(256):  # the prior now holds a close call (as above)
+        prior.observe(15, 1 if step % 10 < 7 else 2)
+    probed = request()
+    for _ in range(PROBE_CYCLES):
+        probed.tracker.observe(15, 1)
+    plan = planner.plan([probed])
+    if winning:
+        assert (plan.reason, plan.lengths, probed.retired) == ("exploit", [15], False)
+    else:
+        assert (plan.reason, plan.lengths, probed.retired) == ("plain", [0], True)
+
+
 @pytest.mark.parametrize("hard_steps", [128, 256])
 def test_one_hard_story_does_not_overturn_what_drafting_realised_over_many(hard_steps):
     """At c=1 on an ONNX Runtime engine one hard story (69 cycles, most of them 1 token) made the last 256 drafting
