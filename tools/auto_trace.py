@@ -126,7 +126,8 @@ def main() -> None:
         deciding.setdefault(plan.reason, []).append(time.perf_counter() - began)  # before this tracer's own work
         batch, live = len(requests), [r for r in requests if r.live]
         rates, e15 = "", ""
-        prior = self.prior.conditional()  # as the plan was decided on (this tracer's own work from here on)
+        # as the plan was decided on (this tracer's own work from here on); only a plan with live requests drafts
+        prior = self.prior.conditional() if live else []
         if live and self.informed:
             _, predicted = auto_length(self.costs, [prior] * batch, [r.wanted for r in requests])
             guess = {k: "" if self.costs.known(batch, len(live), k) else "?" for k in predicted if k}  # ?: cost a guess
@@ -207,7 +208,7 @@ def summarise(decisions: list[tuple], overheads: dict[bool, list[float]], decidi
 
 
 def passes(steps: list[StepRow]) -> list[list[StepRow]]:
-    """The steps of each bench pass, in order (``--steps`` rows: the pass number is their tenth field)."""
+    """The steps of each bench pass (``StepRow.pass_number``), in order."""
     runs: dict[int, list[StepRow]] = {}
     for step in steps:
         runs.setdefault(step.pass_number, []).append(step)
